@@ -1,0 +1,45 @@
+# SITS: every target works alone on a fresh machine (each depends on `install`).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+MODEL_DIR ?= models/default
+MODEL_PRESET ?= tiny
+MODEL_TRAIN_SECONDS ?= 120
+BENCH_MODEL_DIR ?= models/small
+
+.PHONY: install run test test-slow bench model clean
+
+install: $(STAMP)
+
+# torch is pinned and installed first: a range that admits a newer torch pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+$(MODEL_DIR)/config.json: | $(STAMP)
+	$(VENV)/bin/sits model build-tiny $(MODEL_DIR) --preset $(MODEL_PRESET) --train-seconds $(MODEL_TRAIN_SECONDS) --overwrite
+
+model: $(MODEL_DIR)/config.json
+
+run: install model
+	$(VENV)/bin/sits generate --model $(MODEL_DIR) --max-tokens 96 --temperature 0.8 --seed 1 \
+		"The Python language reference says that"
+
+test: install
+	$(PY) -m pytest -q
+
+test-slow: install
+	$(PY) -m pytest -q -m slow
+
+$(BENCH_MODEL_DIR)/config.json: | $(STAMP)
+	$(VENV)/bin/sits model build-tiny $(BENCH_MODEL_DIR) --preset small --overwrite
+
+bench: install $(BENCH_MODEL_DIR)/config.json
+	$(VENV)/bin/sits bench engine --model $(BENCH_MODEL_DIR) --json bench/out/engine.json --write-docs docs/benchmarks.md
+
+clean:
+	rm -rf $(VENV) models build *.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""Benchmarks: every claim of speed measured against its baseline in the same run."""

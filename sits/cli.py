@@ -1,0 +1,131 @@
+"""The ``sits`` command: build offline models, generate from a model directory, run benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+from sits.engine.errors import SitsError
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="local Hugging Face model directory")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: all cores)")
+    p.add_argument("--policy", default="pfsd", choices=["pfsd", "fcfs"], help="scheduler policy")
+    p.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool size in MiB")
+    p.add_argument("--no-warmup", action="store_true", help="skip multi-level warm-up")
+
+
+def _engine_config(args: argparse.Namespace):
+    from sits.engine.config import EngineConfig
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
+                        policy=args.policy, kv_cache_memory_mb=args.kv_cache_mb, warmup=not args.no_warmup)
+
+
+def cmd_build_tiny(args: argparse.Namespace) -> int:
+    from sits.engine.models.tiny import build_tiny_model
+    build_tiny_model(args.dir, preset=args.preset, seed=args.seed, train_seconds=args.train_seconds,
+                     overwrite=args.overwrite, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(args.dir)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from sits.engine.async_engine import AsyncEngine
+    from sits.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop or [])
+
+    async def run() -> None:
+        print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+        engine = await AsyncEngine.start(_engine_config(args))
+        t0 = time.monotonic()
+        first = None
+        n = 0
+        reason = None
+        sys.stdout.write(args.prompt)
+        async for ev in engine.generate(args.prompt, params):
+            if first is None:
+                first = time.monotonic() - t0
+            n += 1
+            reason = ev.finish_reason
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        total = time.monotonic() - t0
+        sys.stdout.write("\n")
+        print(engine.engine.report.format(), file=sys.stderr)
+        print(f"{n} tokens, finish_reason={reason}, ttft {first * 1e3:.1f} ms, "
+              f"{n / total:.1f} tok/s", file=sys.stderr)
+        await engine.shutdown()
+
+    asyncio.run(run())
+    return 0
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from sits.bench.engine_bench import run_engine_bench
+    result = run_engine_bench(args.model, json_out=args.json, docs_out=args.write_docs, quick=args.quick,
+                              only=args.only, threads=args.threads)
+    print(json.dumps(result["summary"], indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sits", description="SITS: a serverless runtime for LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
+    bt = model.add_parser("build-tiny", help="write an offline Llama model directory with random weights")
+    bt.add_argument("dir")
+    bt.add_argument("--preset", default="tiny", choices=["tiny", "small", "base"])
+    bt.add_argument("--seed", type=int, default=0)
+    bt.add_argument("--train-seconds", type=float, default=0.0,
+                    help="train briefly on offline text so output reads like text")
+    bt.add_argument("--overwrite", action="store_true")
+    bt.set_defaults(func=cmd_build_tiny)
+
+    gen = sub.add_parser("generate", help="stream a completion to the terminal")
+    _add_engine_args(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    be = bench.add_parser("engine", help="engine benchmarks: bursty fcfs vs pfsd, decode vs HF, prefix cache")
+    be.add_argument("--model", required=True)
+    be.add_argument("--json", default=None, help="write results JSON here")
+    be.add_argument("--write-docs", default=None, help="append a results section to this markdown file")
+    be.add_argument("--quick", action="store_true", help="smaller workload (smoke run)")
+    be.add_argument("--only", choices=["bursty", "decode", "prefix"], action="append")
+    be.add_argument("--threads", type=int, default=None)
+    be.set_defaults(func=cmd_bench_engine)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SitsError as e:
+        print(f"error [{e.code}]: {e.message}", file=sys.stderr)
+        return 2
+    except FileExistsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""AsyncEngine: the engine as an asyncio API (submit -> async stream of token events; abort; stats).
+
+The step loop runs in one dedicated thread (PyTorch releases the GIL inside its kernels, so the
+event loop stays responsive). Requests are validated and tokenized in the caller's task, handed to
+the loop thread through a command queue, and their events come back through per-request asyncio
+queues. A consumer that stops iterating (client gone, task cancelled) aborts its request, which
+frees its KV blocks at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from sits.engine.config import EngineConfig
+from sits.engine.errors import EngineDeadError, RequestAbortedError, SitsError
+from sits.engine.llm_engine import EngineStats, LLMEngine, TokenEvent
+from sits.engine.sampling_params import SamplingParams
+from sits.engine.sequence import Sequence
+
+log = logging.getLogger("sits.engine")
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="sits-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    async def start(cls, cfg: EngineConfig) -> "AsyncEngine":
+        """Build the engine (load, allocate, warm up) off the event loop, then start the step thread."""
+        engine = await asyncio.to_thread(LLMEngine, cfg)
+        return cls(engine)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # -- public API -----------------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                       request_id: str | None = None, priority: int = 0,
+                       interactive: bool = True) -> AsyncIterator[TokenEvent]:
+        """Yield this request's token events until (and including) the finished one.
+
+        Raises the typed SitsError for invalid input before anything is queued.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop has died: {self._dead!r}")
+        seq = self.engine.make_sequence(prompt, params, request_id=request_id, priority=priority,
+                                        interactive=interactive)
+        if seq.request_id in self._streams:
+            raise SitsError(f"request id {seq.request_id!r} is already in use", code="duplicate_request_id")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[seq.request_id] = stream
+        self._send(("add", seq))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(seq.request_id, None)
+            if not finished:
+                self._send(("abort", seq.request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait,
+                                             RequestAbortedError(f"request {request_id} was aborted"))
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join, 10)
+
+    # -- the loop thread ------------------------------------------------------------------------
+    def _send(self, cmd: tuple) -> None:
+        self._commands.put(cmd)
+        self._wake.set()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                seq: Sequence = arg
+                try:
+                    self.engine.enqueue(seq)
+                except SitsError as e:
+                    self._deliver(seq.request_id, e)
+            elif kind == "abort":
+                self.engine.abort(arg)
+
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_commands()
+                if not self.engine.has_unfinished:
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                for ev in self.engine.step():
+                    self._deliver(ev.request_id, ev)
+        except BaseException as e:  # a bug or a device error: fail every stream, loudly
+            log.exception("engine loop died")
+            self._dead = e
+            err = EngineDeadError(f"the engine loop has died: {e!r}")
+            for rid in list(self._streams):
+                self._deliver(rid, err)

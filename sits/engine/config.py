@@ -1,0 +1,149 @@
+"""Engine configuration: one home for every knob of the data plane, with documented defaults."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sits.engine.errors import ModelLoadError, UnsupportedModelError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The subset of a Hugging Face ``config.json`` the native Llama-family model needs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False       # Qwen2: bias on q/k/v projections
+    sliding_window: int | None = None  # Mistral; not used for attention masking (documented limit)
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+    torch_dtype: str = "float32"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"{source}: architecture {archs or raw.get('model_type')!r} is not supported; "
+                f"SITS runs {', '.join(sorted(SUPPORTED_ARCHITECTURES))}",
+                param="architectures")
+        try:
+            heads = int(raw["num_attention_heads"])
+            hidden = int(raw["hidden_size"])
+            eos = raw.get("eos_token_id")
+            eos_list = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+            family = SUPPORTED_ARCHITECTURES[arch]
+            # transformers >= 5 folds rope_theta / rope_scaling into one `rope_parameters` dict.
+            rope = dict(raw.get("rope_parameters") or {})
+            rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+            rope_scaling = raw.get("rope_scaling")
+            if rope and rope.get("rope_type", rope.get("type", "default")) != "default":
+                rope_scaling = rope
+            return cls(
+                architecture=arch,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                attention_bias=bool(raw.get("attention_bias", family == "qwen2")),
+                sliding_window=raw.get("sliding_window"),
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_id=eos_list,
+                torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"{source}: missing required field {e.args[0]!r}", param=e.args[0]) from None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: not found; a model directory needs config.json, "
+                                 "*.safetensors and tokenizer.json", param="model")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+        return cls.from_dict(raw, source=str(path))
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise UnsupportedModelError(f"dtype {name!r} is not supported; use one of {sorted(_DTYPES)}",
+                                    param="dtype") from None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything the engine needs to run one model on one device.
+
+    Defaults are sized for a small CPU host; a GPU host mostly raises ``max_num_batched_tokens``
+    and ``kv_cache_memory_mb``.
+    """
+
+    model: str
+    device: str = "auto"                 # "cpu", "cuda", "cuda:1", or "auto"
+    dtype: str = "float32"               # weights and KV cache
+    threads: int | None = None           # intra-op threads on CPU (None: all cores)
+    block_size: int = 16                 # tokens per KV block
+    num_kv_blocks: int | None = None     # None: derived from kv_cache_memory_mb
+    kv_cache_memory_mb: int = 512        # KV pool size when num_kv_blocks is None
+    max_model_len: int | None = None     # None: the model's max_position_embeddings
+    max_num_seqs: int = 64               # sequences in one step at most
+    max_num_batched_tokens: int = 256    # per-step token budget (prefill chunks + decodes)
+    policy: str = "pfsd"                 # "pfsd" (default) or "fcfs" (vLLM-style baseline)
+    enable_prefix_caching: bool = True
+    min_decode_window: int = 1           # pfsd: decodes always get at least this many slots a step
+    aging_per_s: float = 1.0             # pfsd: priority bonus per second waited (no starvation)
+    warmup: bool = True                  # run multi-level warm-up at start
+    seed: int = 0                        # default generator seed for unseeded sampling
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("pfsd", "fcfs"):
+            raise ValueError(f"policy must be 'pfsd' or 'fcfs', got {self.policy!r}")
+        if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be >= 1")

@@ -1,0 +1,57 @@
+"""Typed errors with stable codes: what reaches a user says what went wrong and what to change."""
+
+from __future__ import annotations
+
+
+class SitsError(Exception):
+    """Base of every error SITS reports to a caller.
+
+    ``code`` is stable and machine-readable (clients switch on it); ``param`` names the offending
+    input field when there is one; ``http_status`` is what the HTTP layer answers with.
+    """
+
+    code = "internal_error"
+    http_status = 500
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def to_dict(self) -> dict:
+        return {"message": self.message, "type": type(self).__name__, "param": self.param, "code": self.code}
+
+
+class InvalidRequestError(SitsError):
+    """The request itself is wrong (bad parameter, empty prompt, ...)."""
+
+    code = "invalid_request"
+    http_status = 400
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    code = "context_length_exceeded"
+
+
+class UnsupportedModelError(SitsError):
+    """The model directory holds an architecture or a file layout SITS cannot run."""
+
+    code = "unsupported_model"
+    http_status = 400
+
+
+class ModelLoadError(SitsError):
+    code = "model_load_failed"
+    http_status = 500
+
+
+class RequestAbortedError(SitsError):
+    code = "cancelled"
+    http_status = 499
+
+
+class EngineDeadError(SitsError):
+    code = "engine_dead"
+    http_status = 503

@@ -1,0 +1,260 @@
+"""LLMEngine: the synchronous step loop (schedule -> run -> sample -> detokenize -> stop checks).
+
+It is driven by one thread: the AsyncEngine's, or a caller's loop (tests, benchmarks). Nothing here
+blocks or sleeps; ``step()`` does one batch and returns the token events it produced.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from itertools import count
+
+import torch
+
+from sits.engine.block_pool import BlockPool
+from sits.engine.cold_start import ColdStartReport, process_age_s
+from sits.engine.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from sits.engine.detokenizer import IncrementalDetokenizer
+from sits.engine.errors import ContextLengthExceededError, InvalidRequestError
+from sits.engine.kv_cache import KVCache, bytes_per_block
+from sits.engine.loader import load_model
+from sits.engine.model_runner import ModelRunner
+from sits.engine.sampler import Sampler
+from sits.engine.sampling_params import SamplingParams
+from sits.engine.scheduler import ScheduledBatch, Scheduler
+from sits.engine.sequence import FinishReason, Sequence
+from sits.engine.tokenizer import Tokenizer
+from sits.engine.warmup import run_warmup
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """One step's news for one request: a token (with its text delta), or the end of the request."""
+
+    request_id: str
+    token_id: int | None
+    text: str
+    index: int                              # position of this token in the output (0-based)
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0               # time.monotonic() clock
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    time: float = 0.0                       # when this event was produced
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    kv_usage: float
+    num_kv_blocks: int
+    num_free_blocks: int
+    prefix_queries: int
+    prefix_hits: int
+    prefix_hit_rate: float
+    num_preemptions: int
+    num_steps: int
+    policy: str
+    cold_start: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    stop_ids: frozenset[int]
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.report = ColdStartReport()
+        age = process_age_s()
+        if age is not None:
+            self.report.record("imports", age * 1e3)
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype)
+        self.threads = cfg.threads or os.cpu_count() or 1
+        if self.device.type == "cpu":
+            torch.set_num_threads(self.threads)
+        with self.report.phase("config"):
+            self.model_config = ModelConfig.from_dir(cfg.model)
+            self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
+                                     self.model_config.max_position_embeddings)
+        with self.report.phase("weights"):
+            self.model = load_model(cfg.model, self.model_config, self.device, self.dtype, self.max_model_len)
+        with self.report.phase("tokenizer"):
+            self.tokenizer = Tokenizer.from_dir(cfg.model)
+        with self.report.phase("kv_allocation"):
+            per_block = bytes_per_block(self.model_config, cfg.block_size, self.dtype)
+            num_blocks = cfg.num_kv_blocks or max(1, cfg.kv_cache_memory_mb * 2**20 // per_block)
+            self.kv_cache = KVCache(self.model_config, num_blocks, cfg.block_size, self.device, self.dtype)
+            self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.scheduler = Scheduler(cfg, self.pool, self.max_model_len)
+        self.sampler = Sampler(default_seed=cfg.seed)
+        eos = set(self.model_config.eos_token_id) | set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+        self.requests: dict[str, _Request] = {}
+        self._ids = count()
+        self.num_steps = 0
+        if cfg.warmup:
+            run_warmup(self.runner, self.pool, self.report, max_batched_tokens=cfg.max_num_batched_tokens,
+                       max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len, threads=self.threads)
+        self.report.ready_at = time.monotonic()
+
+    # -- requests -------------------------------------------------------------------------------
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                      request_id: str | None = None, priority: int = 0, interactive: bool = True) -> Sequence:
+        """Validate and tokenize a request (no engine state touched: safe from any thread)."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty", param="prompt", code="empty_prompt")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})",
+                                          param="prompt", code="invalid_token_id")
+        if not ids:
+            raise InvalidRequestError("prompt is empty", param="prompt", code="empty_prompt")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(ids)} and max_tokens asks for {params.max_tokens}: shorten the prompt or lower max_tokens",
+                param="max_tokens" if len(ids) < self.max_model_len else "prompt")
+        if self.pool.blocks_needed(len(ids) + params.max_tokens) > self.pool.num_blocks:
+            raise InvalidRequestError(
+                f"prompt + max_tokens ({len(ids) + params.max_tokens} tokens) exceeds the whole KV pool "
+                f"({self.pool.num_blocks * self.pool.block_size} tokens)", param="max_tokens",
+                code="kv_capacity_exceeded")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError("priority must be an integer", param="priority", code="invalid_parameter")
+        seq = Sequence(request_id or f"req-{next(self._ids)}", ids, params, priority=priority,
+                       interactive=interactive)
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed)
+        return seq
+
+    def enqueue(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise InvalidRequestError(f"request id {seq.request_id!r} is already in use", param="request_id",
+                                      code="duplicate_request_id")
+        p = seq.params
+        stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
+        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, stop=p.stop)
+        self.requests[seq.request_id] = _Request(seq, detok, stop_ids)
+        self.scheduler.add(seq)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, **kw) -> Sequence:
+        seq = self.make_sequence(prompt, params, **kw)
+        self.enqueue(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free its KV blocks at once; False if it is unknown or done."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.remove(req.seq)
+        req.seq.finish_reason = FinishReason.ABORT
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        t0 = time.perf_counter()
+        logits, rows = self.runner.execute(batch)
+        self.scheduler.on_computed(batch)
+        events = self._sample_and_emit(batch, logits, rows) if rows else []
+        self.num_steps += 1
+        prefill = sum(n for n in batch.num_new if n > 1)
+        self.scheduler.model.observe_step(prefill, len(batch) - sum(1 for n in batch.num_new if n > 1),
+                                          time.perf_counter() - t0)
+        return events
+
+    def _sample_and_emit(self, batch: ScheduledBatch, logits: torch.Tensor, rows: list[int]) -> list[TokenEvent]:
+        seqs = [batch.seqs[i] for i in rows]
+        result = self.sampler.sample(logits, [s.params for s in seqs], [s.output_token_ids for s in seqs],
+                                     [s.prompt_token_ids for s in seqs], [s.generator for s in seqs])
+        now = time.monotonic()
+        events = []
+        for j, seq in enumerate(seqs):
+            req = self.requests[seq.request_id]
+            tok = result.token_ids[j]
+            seq.output_token_ids.append(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                self.report.mark_first_token()
+            seq.last_token_time = now
+            reason = None
+            if tok in req.stop_ids:
+                reason = FinishReason.STOP
+                text = ""
+            else:
+                text = req.detok.step(tok)
+                if req.detok.stopped:
+                    reason = FinishReason.STOP
+            if reason is None and (len(seq.output_token_ids) >= seq.params.max_tokens
+                                   or seq.num_tokens >= self.max_model_len):
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                text += req.detok.finish()
+                seq.finish_reason = reason
+                self.scheduler.remove(seq)
+                self.scheduler.model.observe_finished(len(seq.output_token_ids))
+                del self.requests[seq.request_id]
+            events.append(TokenEvent(
+                seq.request_id, tok, text, len(seq.output_token_ids) - 1,
+                logprob=result.logprobs[j] if result.logprobs is not None and seq.params.logprobs is not None else None,
+                top_logprobs=(result.top_logprobs[j] if result.top_logprobs is not None and seq.params.logprobs
+                              else None),
+                finished=reason is not None, finish_reason=reason.value if reason else None,
+                num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids),
+                num_cached_tokens=seq.num_cached_tokens, arrival_time=seq.arrival_time,
+                first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time, time=now))
+        return events
+
+    # -- conveniences ---------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s = self.pool.stats()
+        return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running), s.usage, s.num_blocks,
+                           s.num_free, s.prefix_queries, s.prefix_hits, s.hit_rate,
+                           self.scheduler.num_preemptions, self.num_steps, self.cfg.policy, self.report.to_dict())
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[dict]:
+        """Run prompts to completion (blocking); returns text, token ids and finish reason per prompt."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        texts: dict[str, list[str]] = {s.request_id: [] for s in seqs}
+        while self.has_unfinished:
+            for ev in self.step():
+                if ev.request_id in texts:
+                    texts[ev.request_id].append(ev.text)
+        return [{"request_id": s.request_id, "text": "".join(texts[s.request_id]),
+                 "token_ids": list(s.output_token_ids), "finish_reason": s.finish_reason.value,
+                 "num_cached_tokens": s.num_cached_tokens} for s in seqs]

@@ -1,0 +1,115 @@
+"""Weights from ``*.safetensors``: memory-mapped and zero-copy on CPU, staged through pinned memory on GPU.
+
+The safetensors format is an 8-byte little-endian header length, a JSON header (name -> dtype, shape,
+byte offsets) and one flat byte buffer. Parsing it ourselves lets every tensor be a view into one
+private mmap of the file: nothing is read until a page is touched, and on CPU the weights are never
+copied (the kernel's page cache *is* the model).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sits.engine.config import ModelConfig
+from sits.engine.errors import ModelLoadError
+from sits.engine.models.llama import LlamaForCausalLM
+
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+              "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class SafetensorsFile:
+    """One safetensors file mapped into memory; ``tensors()`` yields zero-copy views."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            if size < 8:
+                raise ModelLoadError(f"{path}: not a safetensors file (too short)")
+            # ACCESS_COPY: private copy-on-write mapping, so views are writable and the file never is.
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        (header_len,) = struct.unpack("<Q", self._mm[:8])
+        if header_len > size - 8:
+            raise ModelLoadError(f"{path}: corrupt safetensors header")
+        try:
+            self.header = json.loads(self._mm[8:8 + header_len])
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{path}: corrupt safetensors header: {e.msg}") from None
+        self.header.pop("__metadata__", None)
+        self._data_start = 8 + header_len
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, info in self.header.items():
+            dtype = _ST_DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise ModelLoadError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
+            begin, end = info["data_offsets"]
+            numel = 1
+            for d in info["shape"]:
+                numel *= d
+            if numel == 0:
+                out[name] = torch.empty(info["shape"], dtype=dtype)
+                continue
+            t = torch.frombuffer(self._mm, dtype=dtype, count=numel, offset=self._data_start + begin)
+            if t.numel() * t.element_size() != end - begin:
+                raise ModelLoadError(f"{self.path}: tensor {name} size does not match its offsets")
+            out[name] = t.view(info["shape"])
+        return out
+
+
+def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weights found (PyTorch .bin is not supported)",
+                             param="model")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(SafetensorsFile(f).tensors())
+    return state
+
+
+def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+               max_positions: int) -> LlamaForCausalLM:
+    """Build the module (uninitialised parameters: untouched pages, no random init) and assign the
+    mapped weights to it. Not on the meta device: its dispatch imports torch's compiler (seconds)."""
+    model = LlamaForCausalLM(cfg, max_positions=max_positions)
+    state = load_state_dict(model_dir)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+        raise ModelLoadError(f"{model_dir}: lm_head.weight missing and tie_word_embeddings is false")
+    expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    missing, unexpected = expected - set(state), set(state) - expected
+    unexpected = {k for k in unexpected if "rotary_emb" not in k}
+    if missing or unexpected:
+        raise ModelLoadError(f"{model_dir}: weights do not match {cfg.architecture}: "
+                             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    pin = device.type == "cuda"
+    for name, t in state.items():
+        if t.dtype != dtype and t.is_floating_point():
+            t = t.to(dtype)
+        if pin:
+            t = t.pin_memory().to(device, non_blocking=True)
+        state[name] = t
+    model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary.to(device)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if pin:
+        torch.cuda.synchronize(device)
+    return model.eval()
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

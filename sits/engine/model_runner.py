@@ -1,0 +1,81 @@
+"""ModelRunner: turns a ScheduledBatch into one fused forward pass over the paged KV cache.
+
+All new tokens of all scheduled sequences are flattened into one [T] batch, so every linear layer
+runs once per step. Attention is split by shape: 1-token decodes are batched into one padded
+attention call; prefill chunks attend one sequence each through their block tables.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sits.engine.kv_cache import KVCache
+from sits.engine.models.llama import AttentionMetadata, LlamaForCausalLM, PrefillSpan
+from sits.engine.scheduler import ScheduledBatch
+from sits.engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device):
+        self.model = model
+        self.kv = kv_cache
+        self.device = device
+        self.block_size = kv_cache.block_size
+
+    def _to(self, data: list[int]) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def prepare(self, seqs: list[Sequence], num_new: list[int]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                         AttentionMetadata, list[int]]:
+        """Flat input ids, positions, attention metadata, and the flat index of each sampling token."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefills: list[PrefillSpan] = []
+        decode_idx: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        sample_idx: list[int] = []
+        for seq, n in zip(seqs, num_new):
+            start = len(input_ids)
+            begin = seq.num_computed_tokens
+            end = begin + n
+            input_ids.extend(seq.all_token_ids[begin:end])
+            positions.extend(range(begin, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(begin, end))
+            if n == 1:
+                decode_idx.append(start)
+                decode_tables.append(table[:(end + bs - 1) // bs])
+                decode_lens.append(end)
+            else:
+                prefills.append(PrefillSpan(start, start + n, end, self._to(table[:(end + bs - 1) // bs])))
+            if end == seq.num_tokens:
+                sample_idx.append(start + n - 1)
+
+        d_index = d_tables = d_mask = None
+        if decode_idx:
+            width = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]
+            d_index = self._to(decode_idx)
+            d_tables = self._to([b for row in padded for b in row]).view(len(padded), width)
+            lens = self._to(decode_lens)
+            d_mask = (torch.arange(width * bs, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
+        meta = AttentionMetadata(self._to(slots), prefills, d_index, d_tables, d_mask)
+        return self._to(input_ids), self._to(positions), meta, sample_idx
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """Runs the step; returns float32 logits [S, vocab] for the S sequences that sample now,
+        and their positions in ``batch.seqs``."""
+        input_ids, positions, meta, sample_idx = self.prepare(batch.seqs, batch.num_new)
+        hidden = self.model(input_ids, positions, self.kv.layers, meta)
+        rows = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new)):
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                rows.append(i)
+        if not sample_idx:
+            return torch.empty(0, self.model.config.vocab_size), rows
+        logits = self.model.compute_logits(hidden[self._to(sample_idx)])
+        return logits.cpu() if logits.device.type != "cpu" else logits, rows

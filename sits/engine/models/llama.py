@@ -1,0 +1,260 @@
+"""Native PyTorch Llama family (Llama 2/3, Mistral, Qwen2) that attends through a paged KV cache.
+
+Module names follow Hugging Face's so a ``model.safetensors`` state dict loads as is. Two forward
+paths share every layer: ``forward`` (flat varlen batch of new tokens, KV read and written through
+block tables, used when serving) and ``forward_dense`` (plain causal [B, L], used for training,
+parity checks and baselines).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sits.engine.config import ModelConfig
+from sits.engine.errors import UnsupportedModelError
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """One sequence's chunk of new tokens (>1 token, or its first) in the flat batch."""
+
+    start: int               # offset of its first new token in the flat batch
+    end: int                 # one past its last new token
+    context_len: int         # tokens in the KV cache after this step (cached + new)
+    block_table: torch.Tensor  # [num_blocks] long
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where each new token's K/V goes and what each query attends to, for one step."""
+
+    slot_mapping: torch.Tensor            # [T] long: flat KV slot of each new token
+    prefills: list[PrefillSpan]
+    decode_index: torch.Tensor | None     # [Bd] long: positions in the flat batch of 1-token decodes
+    decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] long (padded with block 0)
+    decode_mask: torch.Tensor | None      # [Bd, 1, 1, max_blocks*block_size] bool (True: attend)
+
+
+def _rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling for the config's RoPE variant."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"]), 1.0
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        orig = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = orig / low, orig / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (orig / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)",
+                                param="rope_scaling")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        inv_freq, self.attention_scaling = _rope_inv_freq(cfg)
+        t = torch.arange(max_positions, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", (emb.cos() * self.attention_scaling).float(), persistent=False)
+        self.register_buffer("sin", (emb.sin() * self.attention_scaling).float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [..., T, H, D]; cos/sin: [..., T, D]."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return x * cos + _rotate_half(x) * sin
+
+
+class Linear(nn.Module):
+    """``nn.Linear`` without the random init: weights always come from a checkpoint (or the model
+    builder's own seeded init), and skipping ``reset_parameters`` keeps meta-device construction from
+    importing torch's compiler stack on the cold-start path (seconds)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """``nn.Embedding`` without the random init (see ``Linear``)."""
+
+    def __init__(self, num_embeddings: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.gqa = self.num_heads != self.num_kv_heads
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        shape = x.shape[:-1]
+        q = self.q_proj(x).view(*shape, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(*shape, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*shape, self.num_kv_heads, self.head_dim)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [B, L, hidden] -> [B, L, hidden], plain causal attention, no cache."""
+        b, l, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, enable_gqa=self.gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(b, l, -1))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x: [T, hidden] flat new tokens; kv_cache: [2, num_blocks, block_size, H_kv, D]."""
+        q, k, v = self._qkv(x, cos, sin)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+
+        out = torch.empty_like(q)
+        for span in meta.prefills:
+            n_new = span.end - span.start
+            qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)      # [1, H, n, D]
+            if span.context_len == n_new:                                # no cached prefix
+                ks, vs = k[span.start:span.end], v[span.start:span.end]
+                mask, causal = None, True
+            else:                                                        # chunk after a cached prefix
+                ks = k_cache[span.block_table].view(-1, self.num_kv_heads, self.head_dim)[:span.context_len]
+                vs = v_cache[span.block_table].view(-1, self.num_kv_heads, self.head_dim)[:span.context_len]
+                q_pos = torch.arange(span.context_len - n_new, span.context_len, device=x.device)
+                mask = q_pos[:, None] >= torch.arange(span.context_len, device=x.device)[None, :]
+                causal = False
+            o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                                               attn_mask=mask, is_causal=causal, enable_gqa=self.gqa)
+            out[span.start:span.end] = o[0].transpose(0, 1)
+
+        if meta.decode_index is not None:
+            bt = meta.decode_block_tables
+            bd = bt.shape[0]
+            kd = k_cache[bt].view(bd, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [Bd, Hkv, L, D]
+            vd = v_cache[bt].view(bd, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            qd = q[meta.decode_index].unsqueeze(2)                                          # [Bd, H, 1, D]
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=self.gqa)
+            out[meta.decode_index] = o.squeeze(2)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg, max_positions)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole causal LM. ``max_positions`` bounds the RoPE table (the engine's max_model_len)."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Serving path. input_ids/positions: [T] flat -> final hidden states [T, hidden]."""
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary(positions, h.dtype)
+        for layer, kv in zip(self.model.layers, kv_caches):
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv, meta)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Training/parity path. input_ids: [B, L] -> logits [B, L, vocab] (float32)."""
+        b, l = input_ids.shape
+        h = self.model.embed_tokens(input_ids)
+        positions = torch.arange(l, device=input_ids.device).expand(b, l)
+        cos, sin = self.model.rotary(positions, h.dtype)
+        for layer in self.model.layers:
+            h = h + layer.self_attn.forward_dense(layer.input_layernorm(h), cos, sin)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.compute_logits(self.model.norm(h))

@@ -1,0 +1,287 @@
+"""Continuous batching under a per-step token budget, with two policies measured against each other.
+
+``fcfs`` is the honest baseline: what vLLM's default scheduler does. Running requests first (decodes
+and the unfinished chunks of running prefills, in arrival order), then waiting requests in arrival
+order, chunked into whatever budget is left; under KV pressure the newest running request is
+preempted.
+
+``pfsd`` (prefill/decode separation + RAAP priorities) splits a step into two lanes:
+- the *decode lane*: every running stream gets its one token each step, so a long prompt never stalls
+  a stream; how many streams may decode at once (the decode window) is bounded by what the free KV
+  blocks can carry for their predicted remaining output, so admissions do not cause preemption storms;
+- the *prefill lane*: the rest of the budget goes to prefills (new, partial and preempted alike),
+  chunked, in RAAP order: shortest estimated prefill first, interactive before batch, explicit
+  priority, predicted output length, memory headroom, minus an aging credit so nothing starves.
+Under KV pressure the lowest-priority running request is preempted and later recomputed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from sits.engine.block_pool import BlockPool
+from sits.engine.config import EngineConfig
+from sits.engine.sequence import Sequence, SequenceStatus
+
+# RAAP weights, in seconds of estimated service time (the unit the aging credit is paid in).
+BATCH_PENALTY_S = 2.0            # a batch job waits behind this much interactive work
+PRIORITY_STEP_S = 1.0            # each level of explicit priority is worth this much waiting
+OUTPUT_WEIGHT = 0.05             # predicted decode time counts a little (short jobs first)
+NO_HEADROOM_PENALTY_S = 1.0      # a request whose predicted KV need exceeds the free blocks
+INITIAL_PREFILL_TOK_S = 2000.0   # before the first measurement
+INITIAL_DECODE_STEP_S = 0.02
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """What one step computes: ``num_new[i]`` tokens of ``seqs[i]``."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class ThroughputModel:
+    """EWMA estimates the RAAP score converts tokens into seconds with; fed by the engine."""
+
+    def __init__(self) -> None:
+        self.prefill_tok_s = INITIAL_PREFILL_TOK_S
+        self.decode_step_s = INITIAL_DECODE_STEP_S
+        self.output_len = 64.0
+
+    def observe_step(self, prefill_tokens: int, decode_tokens: int, seconds: float, alpha: float = 0.2) -> None:
+        if seconds <= 0:
+            return
+        if prefill_tokens:
+            rate = (prefill_tokens + decode_tokens) / seconds
+            self.prefill_tok_s += alpha * (rate - self.prefill_tok_s)
+        elif decode_tokens:
+            self.decode_step_s += alpha * (seconds - self.decode_step_s)
+
+    def observe_finished(self, output_len: int, alpha: float = 0.1) -> None:
+        self.output_len += alpha * (output_len - self.output_len)
+
+    def predicted_output(self, seq: Sequence) -> int:
+        """Tokens still to generate: the running mean output length, capped by max_tokens."""
+        done = len(seq.output_token_ids)
+        total = min(seq.params.max_tokens, max(int(self.output_len), done + 1))
+        return max(1, total - done)
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, pool: BlockPool, max_model_len: int):
+        self.cfg = cfg
+        self.pool = pool
+        self.max_model_len = max_model_len
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.model = ThroughputModel()
+        self.num_preemptions = 0
+
+    # -- queue management -----------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and free its blocks at once (finish or abort)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _free(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.pool.release(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.insert(0, seq)
+        batch.preempted.append(seq)
+
+    # -- block accounting -----------------------------------------------------------------------
+    def _blocks_for(self, seq: Sequence, num_new: int) -> int:
+        return max(0, self.pool.blocks_needed(seq.num_computed_tokens + num_new) - len(seq.block_table))
+
+    def _grow(self, seq: Sequence, num_new: int) -> bool:
+        need = self._blocks_for(seq, num_new)
+        if need > self.pool.num_free:
+            return False
+        if need:
+            seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """On (re)admission, reuse cached full blocks; at least one token is always computed."""
+        if seq.block_table:
+            return
+        ids, hashes = self.pool.match_prefix(seq.all_token_ids, seq.num_tokens - 1)
+        seq.block_table, seq.block_hashes = ids, hashes
+        seq.num_computed_tokens = seq.num_cached_tokens = len(ids) * self.pool.block_size
+
+    def _admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
+        """Try to start (or continue) a waiting sequence's prefill; returns tokens scheduled."""
+        self._match_prefix(seq)
+        n = min(seq.num_remaining, budget)
+        if not self._grow(seq, n):
+            if seq.num_cached_tokens and seq.block_table:
+                self._free(seq)
+                seq.num_cached_tokens = 0
+            return 0
+        queried = (seq.num_tokens - 1) // self.pool.block_size * self.pool.block_size
+        self.pool.record_lookup(queried, seq.num_cached_tokens)
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+        batch.seqs.append(seq)
+        batch.num_new.append(n)
+        return n
+
+    # -- policies -------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        return self._schedule_pfsd() if self.cfg.policy == "pfsd" else self._schedule_fcfs()
+
+    def _schedule_fcfs(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.cfg.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:      # preempted earlier in this loop
+                continue
+            n = min(seq.num_remaining, budget)
+            while not self._grow(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                batch.seqs.append(seq)
+                batch.num_new.append(n)
+                budget -= n
+        if batch.preempted:
+            return batch                                       # no admissions while under pressure
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            n = self._admit(self.waiting[0], budget, batch)
+            if n == 0:
+                break
+            budget -= n
+        return batch
+
+    def priority_key(self, seq: Sequence, now: float) -> float:
+        """RAAP score in seconds of estimated service time; lower runs sooner."""
+        m = self.model
+        score = seq.num_remaining / m.prefill_tok_s
+        score += OUTPUT_WEIGHT * m.predicted_output(seq) * m.decode_step_s
+        if not seq.interactive:
+            score += BATCH_PENALTY_S
+        score -= PRIORITY_STEP_S * seq.priority
+        need = self.pool.blocks_needed(seq.num_tokens + m.predicted_output(seq)) - len(seq.block_table)
+        if need > self.pool.num_free:
+            score += NO_HEADROOM_PENALTY_S
+        return score - self.cfg.aging_per_s * (now - seq.arrival_time)
+
+    def _decode_reserve(self) -> int:
+        """Blocks the running streams are predicted to still need (the decode window's headroom)."""
+        m = self.model
+        reserve = 0
+        for seq in self.running:
+            total = min(seq.num_tokens + m.predicted_output(seq), self.max_model_len)
+            reserve += max(0, self.pool.blocks_needed(total) - len(seq.block_table))
+        return reserve
+
+    def _schedule_pfsd(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.cfg.max_num_batched_tokens
+        now = time.monotonic()
+
+        # Decode lane: every running stream with one token to compute, most important first.
+        decodes = [s for s in self.running if not s.is_prefill]
+        decodes.sort(key=lambda s: self.priority_key(s, now))
+        # The decode lane yields to waiting prefills down to half the budget (never below the minimum).
+        prefill_waiting = bool(self.waiting) or len(decodes) < len(self.running)
+        window = max(self.cfg.min_decode_window, budget // 2) if prefill_waiting else len(decodes)
+        for seq in decodes[:window]:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            while not self._grow(seq, 1):
+                victim = self._lowest_priority(now)
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                batch.seqs.append(seq)
+                batch.num_new.append(1)
+                budget -= 1
+
+        # Prefill lane: running partial prefills and waiting requests compete in RAAP order.
+        partial = [s for s in self.running if s.is_prefill and s.status is SequenceStatus.RUNNING]
+        candidates = sorted(partial + self.waiting, key=lambda s: self.priority_key(s, now))
+        reserve = self._decode_reserve()
+        for seq in candidates:
+            if budget <= 0:
+                break
+            if seq in batch.preempted:
+                continue
+            if seq.status is SequenceStatus.RUNNING:
+                n = min(seq.num_remaining, budget)
+                if not self._grow(seq, n):
+                    continue
+                batch.seqs.append(seq)
+                batch.num_new.append(n)
+                budget -= n
+                continue
+            if len(self.running) >= self.cfg.max_num_seqs:
+                continue
+            # Admission keeps the decode window's headroom unless nothing else is running.
+            if self.running:
+                need = self.pool.blocks_needed(min(seq.num_tokens + self.model.predicted_output(seq),
+                                                   self.max_model_len))
+                if need + reserve > self.pool.num_free + len(seq.block_table):
+                    continue
+            n = self._admit(seq, budget, batch)
+            if n:
+                budget -= n
+                reserve += self.pool.blocks_needed(seq.num_tokens + self.model.predicted_output(seq)) \
+                    - len(seq.block_table)
+        return batch
+
+    def _lowest_priority(self, now: float) -> Sequence:
+        return max(self.running, key=lambda s: (self.priority_key(s, now), s.arrival_time))
+
+    # -- after the forward pass -----------------------------------------------------------------
+    def on_computed(self, batch: ScheduledBatch) -> None:
+        """Advance computed counts and publish blocks that just became full to the prefix cache."""
+        bs = self.pool.block_size
+        for seq, n in zip(batch.seqs, batch.num_new):
+            seq.num_computed_tokens += n
+            full = seq.num_computed_tokens // bs
+            if len(seq.block_hashes) < full:
+                tokens = seq.all_token_ids
+                while len(seq.block_hashes) < full:
+                    i = len(seq.block_hashes)
+                    seq.block_hashes.append(
+                        self.pool.register_full(seq.block_table[i], seq.parent_hash, tokens[i * bs:(i + 1) * bs]))
