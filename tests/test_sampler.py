@@ -114,6 +114,29 @@ def test_top_k_and_top_p_keep_the_right_set():
     assert set(_draw_many(logits, SamplingParams(top_k=3, top_p=0.51), 200)) == {0}
 
 
+def test_each_row_keeps_its_own_filters_in_a_mixed_batch():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(5, -1).contiguous()
+    params = [SamplingParams(top_k=2), SamplingParams(), SamplingParams(top_p=0.75),
+              SamplingParams(min_p=0.25), SamplingParams(temperature=0.0)]
+    drawn: list[set[int]] = [set() for _ in params]
+    for seed in range(150):
+        tokens = _sample(logits, params, [_gen(seed * 10 + i) for i in range(5)]).token_ids
+        for row, token in zip(drawn, tokens):
+            row.add(token)
+    assert drawn == [{0, 1}, {0, 1, 2, 3}, {0, 1}, {0, 1, 2}, {0}]
+
+
+def test_top_p_nucleus_wider_than_the_ranked_candidates():
+    """A flat distribution puts the nucleus beyond the top-k shortcut; the full-sort path decides."""
+    vocab = 3000
+    logits = torch.linspace(0.0, -1.0, vocab)  # token id order is probability order
+    probs = torch.softmax(logits, dim=-1)
+    nucleus = int((probs.cumsum(0) < 0.6).sum()) + 1
+    assert nucleus > 1024
+    drawn = _draw_many(logits, SamplingParams(top_p=0.6), 400)
+    assert max(drawn) < nucleus and max(drawn) > 1024
+
+
 def test_min_p_is_relative_to_the_top_probability():
     probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
     drawn = set(_draw_many(probs.log(), SamplingParams(min_p=0.3), 300))

@@ -19,9 +19,10 @@ FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config
 PARAM_RANGES = {"tiny": (5e6, 10e6), "small": (20e6, 30e6), "base": (90e6, 130e6)}
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), progress=None)
+@pytest.fixture
+def tiny_dir(tiny_model_dir: str) -> Path:
+    """conftest's session build: preset "tiny", seed 0."""
+    return Path(tiny_model_dir)
 
 
 def test_directory_is_complete_and_parses(tiny_dir: Path) -> None:

@@ -30,6 +30,10 @@ class IncrementalDetokenizer:
 
     With several stop strings the one whose match *ends* first wins (ties: the longer one), which
     is where a reader scanning the text would stop, independent of how the text was tokenized.
+    Text that might be the start of a stop string is held back until the next tokens rule that
+    out (or ``finish()`` releases it), so a stop string never leaks into a stream.
+
+    ``text`` is everything returned so far.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None,

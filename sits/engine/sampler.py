@@ -119,14 +119,16 @@ class Sampler:
                              f"got shape {tuple(logits.shape)}")
         raw = logits.float()
         processed = apply_penalties(raw, params, output_token_ids, prompt_token_ids)
-        tokens = processed.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if random_rows:
-            row_index = torch.tensor(random_rows, dtype=torch.long, device=raw.device)
-            drawn = self._sample_random(processed.index_select(0, row_index),
-                                        [params[i] for i in random_rows],
-                                        [generators[i] for i in random_rows])
-            tokens = tokens.index_copy(0, row_index, drawn)
+        if len(random_rows) == len(params):
+            tokens = self._sample_random(processed, params, generators)
+        else:
+            tokens = processed.argmax(dim=-1)
+            if random_rows:
+                row_index = torch.tensor(random_rows, dtype=torch.long, device=raw.device)
+                tokens[row_index] = self._sample_random(processed[row_index],
+                                                        [params[i] for i in random_rows],
+                                                        [generators[i] for i in random_rows])
         result = SampleResult(token_ids=tokens.tolist())
 
         wanted = [p.logprobs for p in params]
@@ -159,7 +161,7 @@ class Sampler:
             probs = probs.masked_fill(probs < threshold, 0.0)
         cdf = probs.cumsum(dim=-1)
         draws = [torch.rand(1, generator=gen, device=gen.device)
-                 for gen in (g or self._default_generator for g in generators)]
+                 for gen in (g if g is not None else self._default_generator for g in generators)]
         # 1 - U[0, 1) lies in (0, 1]: the target is above 0 and at most the total mass, so the
         # search lands on a token with nonzero probability (a flat stretch of the CDF never wins).
         targets = (1.0 - torch.cat([d.to(device) for d in draws])).unsqueeze(1) * cdf[:, -1:]
