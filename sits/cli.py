@@ -71,7 +71,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from sits.bench.engine_bench import run_engine_bench
     result = run_engine_bench(args.model, json_out=args.json, docs_out=args.write_docs, quick=args.quick,
-                              only=args.only, threads=args.threads)
+                              only=args.only, threads=args.threads, repeats=args.repeats)
     print(json.dumps(result["summary"], indent=2))
     return 0
 
@@ -109,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--quick", action="store_true", help="smaller workload (smoke run)")
     be.add_argument("--only", choices=["bursty", "decode", "prefix"], action="append")
     be.add_argument("--threads", type=int, default=None)
+    be.add_argument("--repeats", type=int, default=None, help="runs per figure, median reported (default 3; 1 with --quick)")
     be.set_defaults(func=cmd_bench_engine)
     return parser
 
