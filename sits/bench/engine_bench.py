@@ -308,7 +308,7 @@ def run_engine_bench(model: str, json_out: str | None = None, docs_out: str | No
     result: dict = {"model": model, "params_m": params / 1e6, "repeats": repeats, "quick": quick,
                     "host": f"{os.cpu_count()} CPU cores, torch {torch.__version__}"}
     if "bursty" in which:
-        result["bursty"] = bench_bursty(model, threads, quick, 1 if not quick else 1)
+        result["bursty"] = bench_bursty(model, threads, quick, repeats)
     if "decode" in which:
         result["decode"] = bench_decode(model, threads, quick, repeats)
     if "prefix" in which:
