@@ -26,8 +26,10 @@ class ModelRunner:
         return torch.tensor(data, dtype=torch.long).to(self.device, non_blocking=True)
 
     def prepare(self, seqs: list[Sequence], num_new: list[int]) -> tuple[torch.Tensor, torch.Tensor,
-                                                                         AttentionMetadata, list[int]]:
-        """Flat input ids, positions, attention metadata, and the flat index of each sampling token."""
+                                                                         AttentionMetadata,
+                                                                         tuple[list[int], list[int]]]:
+        """Flat input ids, positions, attention metadata, and for each sequence that samples this
+        step: its position in ``seqs`` and the flat index of its last token."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -36,8 +38,9 @@ class ModelRunner:
         decode_idx: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
+        sample_rows: list[int] = []
         sample_idx: list[int] = []
-        for seq, n in zip(seqs, num_new):
+        for row, (seq, n) in enumerate(zip(seqs, num_new)):
             start = len(input_ids)
             begin = seq.num_computed_tokens
             end = begin + n
@@ -52,6 +55,7 @@ class ModelRunner:
             else:
                 prefills.append(PrefillSpan(start, start + n, end, self._to(table[:(end + bs - 1) // bs])))
             if end == seq.num_tokens:
+                sample_rows.append(row)
                 sample_idx.append(start + n - 1)
 
         d_index = d_tables = d_mask = None
@@ -63,18 +67,14 @@ class ModelRunner:
             lens = self._to(decode_lens)
             d_mask = (torch.arange(width * bs, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
         meta = AttentionMetadata(self._to(slots), prefills, d_index, d_tables, d_mask)
-        return self._to(input_ids), self._to(positions), meta, sample_idx
+        return self._to(input_ids), self._to(positions), meta, (sample_rows, sample_idx)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Runs the step; returns float32 logits [S, vocab] for the S sequences that sample now,
         and their positions in ``batch.seqs``."""
-        input_ids, positions, meta, sample_idx = self.prepare(batch.seqs, batch.num_new)
+        input_ids, positions, meta, (rows, sample_idx) = self.prepare(batch.seqs, batch.num_new)
         hidden = self.model(input_ids, positions, self.kv.layers, meta)
-        rows = []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new)):
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                rows.append(i)
         if not sample_idx:
             return torch.empty(0, self.model.config.vocab_size), rows
         logits = self.model.compute_logits(hidden[self._to(sample_idx)])
