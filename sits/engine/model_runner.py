@@ -44,7 +44,7 @@ class ModelRunner:
             start = len(input_ids)
             begin = seq.num_computed_tokens
             end = begin + n
-            input_ids.extend(seq.all_token_ids[begin:end])
+            input_ids.extend(seq.token_slice(begin, end))
             positions.extend(range(begin, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(begin, end))

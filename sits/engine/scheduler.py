@@ -145,7 +145,7 @@ class Scheduler:
         self._match_prefix(seq)
         n = min(seq.num_remaining, budget)
         if not self._grow(seq, n):
-            if seq.num_cached_tokens and seq.block_table:
+            if seq.block_table:                               # give back the matched prefix
                 self._free(seq)
                 seq.num_cached_tokens = 0
             return 0

@@ -55,6 +55,15 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, begin: int, end: int) -> list[int]:
+        """``all_token_ids[begin:end]`` without concatenating prompt and output (the step's hot path)."""
+        n_prompt = len(self.prompt_token_ids)
+        if begin >= n_prompt:
+            return self.output_token_ids[begin - n_prompt:end - n_prompt]
+        if end <= n_prompt:
+            return self.prompt_token_ids[begin:end]
+        return self.prompt_token_ids[begin:] + self.output_token_ids[:end - n_prompt]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
