@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 
@@ -68,6 +69,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    keys = list(args.api_key or [])
+    if args.api_keys_file:
+        with open(args.api_keys_file, encoding="utf-8") as f:
+            keys += [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+    if not keys and os.environ.get("SITS_API_KEY"):
+        keys.append(os.environ["SITS_API_KEY"])
+    return tuple(keys)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from sits.api.context import ServerSettings
+    from sits.api.server import serve
+    settings = ServerSettings(api_keys=_api_keys(args), max_body_bytes=args.max_body_bytes,
+                              webhook_secret=args.webhook_secret or os.environ.get("SITS_WEBHOOK_SECRET"),
+                              request_retention_s=args.request_retention_s, drain_grace_s=args.drain_grace_s)
+    cfg = _engine_config(args)
+    if args.max_model_len:
+        cfg.max_model_len = args.max_model_len
+    return serve(cfg, settings, host=args.host, port=args.port, served_name=args.served_model_name,
+                 log_level=args.log_level)
+
+
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from sits.bench.engine_bench import run_engine_bench
     result = run_engine_bench(args.model, json_out=args.json, docs_out=args.write_docs, quick=args.quick,
@@ -100,6 +124,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve one model over HTTP (OpenAI + SITS dialects)")
+    _add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: dir name)")
+    srv.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
+    srv.add_argument("--api-key", action="append", help="accepted Bearer key (repeatable; env SITS_API_KEY)")
+    srv.add_argument("--api-keys-file", default=None, help="file with one accepted key per line")
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    srv.add_argument("--webhook-secret", default=None, help="sign webhook POSTs (env SITS_WEBHOOK_SECRET)")
+    srv.add_argument("--request-retention-s", type=float, default=600.0,
+                     help="how long finished /v1/requests stay readable")
+    srv.add_argument("--drain-grace-s", type=float, default=10.0,
+                     help="on shutdown, in-flight streams get this long to finish")
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     be = bench.add_parser("engine", help="engine benchmarks: bursty fcfs vs pfsd, decode vs HF, prefix cache")

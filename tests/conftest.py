@@ -41,3 +41,78 @@ def dense_greedy(engine: LLMEngine, prompt_ids: list[int], n: int) -> list[int]:
         for _ in range(n):
             ids.append(int(engine.model.forward_dense(torch.tensor([ids]))[0, -1].argmax()))
     return ids[len(prompt_ids):]
+
+
+# -- HTTP servers (real uvicorn on a free port, in a background thread) --------------------------
+import socket  # noqa: E402
+import threading  # noqa: E402
+import time as _time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import httpx  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    url: str
+    app: object
+    server: object
+    thread: threading.Thread
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+
+def start_server(asgi_app, *, ready_path: str = "/ready", timeout: float = 120.0, server_cls=None,
+                 **server_kw) -> RunningServer:
+    import uvicorn
+    port = free_port()
+    config = uvicorn.Config(asgi_app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=5)
+    server = (server_cls or uvicorn.Server)(config, **server_kw)
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = _time.monotonic() + timeout
+    while _time.monotonic() < deadline:
+        try:
+            if httpx.get(url + ready_path, timeout=2).status_code == 200:
+                return RunningServer(url, asgi_app, server, thread)
+        except httpx.HTTPError:
+            pass
+        if not thread.is_alive():
+            raise RuntimeError("the server thread died during start-up")
+        _time.sleep(0.05)
+    server.should_exit = True
+    raise RuntimeError(f"server at {url} not ready after {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def serve_tiny(tiny_model_dir):
+    """Factory: start `sits serve`'s app on the tiny model; every server started is stopped at the end."""
+    from sits.api.context import ServerSettings
+    from sits.api.server import DrainingServer, build_app
+
+    started: list[RunningServer] = []
+
+    def start(settings: ServerSettings | None = None, **engine_kw) -> RunningServer:
+        engine_kw.setdefault("device", "cpu")
+        engine_kw.setdefault("warmup", False)
+        engine_kw.setdefault("kv_cache_memory_mb", 32)
+        engine_kw.setdefault("max_model_len", 256)
+        settings = settings or ServerSettings(drain_grace_s=2.0, webhook_backoff_s=0.05)
+        app = build_app(EngineConfig(model=tiny_model_dir, **engine_kw), settings, served_name="tiny")
+        srv = start_server(app, server_cls=DrainingServer, app=app, grace_s=settings.drain_grace_s)
+        started.append(srv)
+        return srv
+
+    yield start
+    for s in started:
+        s.stop()

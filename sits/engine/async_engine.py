@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from sits.engine.config import EngineConfig
-from sits.engine.errors import EngineDeadError, RequestAbortedError, SitsError
+from sits.engine.errors import DuplicateRequestError, EngineDeadError, RequestAbortedError, SitsError
 from sits.engine.llm_engine import EngineStats, LLMEngine, TokenEvent
 from sits.engine.sampling_params import SamplingParams
 from sits.engine.sequence import Sequence
@@ -53,19 +53,23 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     # -- public API -----------------------------------------------------------------------------
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                       request_id: str | None = None, priority: int = 0,
-                       interactive: bool = True) -> AsyncIterator[TokenEvent]:
-        """Yield this request's token events until (and including) the finished one.
-
-        Raises the typed SitsError for invalid input before anything is queued.
-        """
+    def prepare(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                request_id: str | None = None, priority: int = 0, interactive: bool = True) -> Sequence:
+        """Validate and tokenize a request without queueing it (raises the typed SitsError)."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop has died: {self._dead!r}")
         seq = self.engine.make_sequence(prompt, params, request_id=request_id, priority=priority,
                                         interactive=interactive)
         if seq.request_id in self._streams:
-            raise SitsError(f"request id {seq.request_id!r} is already in use", code="duplicate_request_id")
+            raise DuplicateRequestError(f"request id {seq.request_id!r} is already in use",
+                                        param="request_id")
+        return seq
+
+    async def stream(self, seq: Sequence) -> AsyncIterator[TokenEvent]:
+        """Queue a prepared sequence; yield its token events until (and including) the finished one."""
+        if seq.request_id in self._streams:
+            raise DuplicateRequestError(f"request id {seq.request_id!r} is already in use",
+                                        param="request_id")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[seq.request_id] = stream
         self._send(("add", seq))
@@ -80,19 +84,37 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
-            self._streams.pop(seq.request_id, None)
+            if self._streams.get(seq.request_id) is stream:
+                del self._streams[seq.request_id]
             if not finished:
                 self._send(("abort", seq.request_id))
 
-    def abort(self, request_id: str) -> None:
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                       request_id: str | None = None, priority: int = 0,
+                       interactive: bool = True) -> AsyncIterator[TokenEvent]:
+        """Yield this request's token events until (and including) the finished one.
+
+        Raises the typed SitsError for invalid input before anything is queued.
+        """
+        seq = self.prepare(prompt, params, request_id=request_id, priority=priority, interactive=interactive)
+        async for ev in self.stream(seq):
+            yield ev
+
+    def abort(self, request_id: str, error: SitsError | None = None) -> None:
+        """Stop a request now; its consumer gets ``error`` (default: RequestAbortedError)."""
         self._send(("abort", request_id))
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait,
-                                             RequestAbortedError(f"request {request_id} was aborted"))
+            stream.loop.call_soon_threadsafe(
+                stream.queue.put_nowait, error or RequestAbortedError(f"request {request_id} was aborted"))
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    @property
+    def alive(self) -> bool:
+        """The step thread is running and has not died."""
+        return self._dead is None and not self._stopping and self._thread.is_alive()
 
     async def shutdown(self) -> None:
         self._stopping = True

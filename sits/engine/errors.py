@@ -47,6 +47,11 @@ class ModelLoadError(SitsError):
     http_status = 500
 
 
+class DuplicateRequestError(InvalidRequestError):
+    code = "duplicate_request_id"
+    http_status = 409
+
+
 class RequestAbortedError(SitsError):
     code = "cancelled"
     http_status = 499

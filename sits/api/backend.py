@@ -1,0 +1,111 @@
+"""What the HTTP layer serves from: named backends that turn a prompt into token events.
+
+``sits serve`` has one backend, an in-process ``AsyncEngine``. The runtime's gateway provides the
+same interface per unit (instances behind it), so both dialects work unchanged through it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from sits.api.errors import ModelNotFoundError, ServiceUnavailableError
+from sits.engine.async_engine import AsyncEngine
+from sits.engine.errors import InvalidRequestError, SitsError
+from sits.engine.llm_engine import EngineStats, TokenEvent
+from sits.engine.sampling_params import SamplingParams
+from sits.engine.sequence import Sequence
+from sits.engine.tokenizer import Tokenizer
+
+
+class Backend(Protocol):
+    name: str
+    root: str                 # where the model came from (a directory)
+    created: int              # unix seconds
+    max_model_len: int
+    kv_capacity_tokens: int   # prompt + output of one request can never exceed this
+    tokenizer: Tokenizer
+
+    @property
+    def ready(self) -> bool: ...
+
+    def prepare(self, prompt: str | list[int], params: SamplingParams, *, request_id: str,
+                priority: int = 0, interactive: bool = True) -> Sequence:
+        """Validate and tokenize (raises the typed SitsError); nothing is queued yet."""
+
+    def stream(self, prepared: Sequence) -> AsyncIterator[TokenEvent]:
+        """Queue a prepared request; its token events until the finished one. Closing it aborts."""
+
+    def abort(self, request_id: str, error: SitsError | None = None) -> None:
+        """Stop a queued or running request; its stream raises ``error``."""
+
+    def stats(self) -> EngineStats: ...
+
+
+class EngineBackend:
+    """An in-process AsyncEngine under a served name."""
+
+    def __init__(self, engine: AsyncEngine, name: str | None = None):
+        self.engine = engine
+        self.root = str(engine.engine.cfg.model)
+        self.name = name or os.path.basename(os.path.normpath(self.root))
+        self.created = int(time.time())
+        self.max_model_len = engine.engine.max_model_len
+        pool = engine.engine.pool
+        self.kv_capacity_tokens = pool.num_blocks * pool.block_size
+        self.tokenizer = engine.tokenizer
+
+    @property
+    def ready(self) -> bool:
+        return self.engine.alive
+
+    def prepare(self, prompt, params, *, request_id, priority=0, interactive=True) -> Sequence:
+        return self.engine.prepare(prompt, params, request_id=request_id, priority=priority,
+                                   interactive=interactive)
+
+    def stream(self, prepared: Sequence) -> AsyncIterator[TokenEvent]:
+        return self.engine.stream(prepared)
+
+    def abort(self, request_id: str, error: SitsError | None = None) -> None:
+        self.engine.abort(request_id, error)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+
+class BackendRegistry:
+    """Served names -> backends; an unknown name is a 404 ``model_not_found``."""
+
+    def __init__(self, backends: list[Backend] | None = None, loading: list[str] | None = None):
+        self._by_name: dict[str, Backend] = {}
+        self.loading: set[str] = set(loading or [])    # names still starting (503 model_loading)
+        for b in backends or []:
+            self.add(b)
+
+    def add(self, backend: Backend) -> None:
+        self._by_name[backend.name] = backend
+        self.loading.discard(backend.name)
+
+    def get(self, name: str | None) -> Backend:
+        if name in self.loading or (name is None and not self._by_name and self.loading):
+            raise ServiceUnavailableError(f"the model {name or next(iter(self.loading))!r} is still loading; "
+                                          "retry when GET /ready says ready", param="model", code="model_loading")
+        if name is None:
+            if len(self._by_name) == 1:
+                return next(iter(self._by_name.values()))
+            raise InvalidRequestError(f"name a model; served: {', '.join(sorted(self._by_name)) or 'none'}",
+                                      param="model", code="model_required")
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise ModelNotFoundError(f"the model {name!r} does not exist; served: "
+                                     f"{', '.join(sorted(self._by_name)) or 'none'}", param="model") from None
+
+    def all(self) -> list[Backend]:
+        return list(self._by_name.values())
+
+    @property
+    def ready(self) -> bool:
+        return bool(self._by_name) and not self.loading and all(b.ready for b in self._by_name.values())

@@ -1,0 +1,56 @@
+"""What every route of one app shares: the served backends, metrics, in-flight work and settings.
+
+One ``ServerContext`` per app (kept on ``app.state.sits``), never module globals, so tests can run
+several servers in one process and the gateway can mount the same routes over its own backends.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from sits.api.backend import BackendRegistry
+from sits.api.generation import InflightRegistry
+from sits.api.metrics import ServerMetrics
+
+
+@dataclass
+class ServerSettings:
+    api_keys: tuple[str, ...] = ()          # empty: no auth
+    max_body_bytes: int = 1 << 20           # 413 above this
+    webhook_secret: str | None = None       # HMAC-SHA256 signature on webhook POSTs when set
+    request_retention_s: float = 600.0      # finished SITS requests stay readable this long
+    max_retained_requests: int = 10_000     # ... and at most this many are kept
+    max_pending_requests: int = 4096        # unfinished SITS requests at once (429 above)
+    webhook_max_attempts: int = 5
+    webhook_backoff_s: float = 0.25         # first retry delay, doubled each attempt
+    webhook_timeout_s: float = 5.0
+    allow_private_callbacks: bool = True    # callback_url may point at loopback / private hosts
+    drain_grace_s: float = 10.0             # on shutdown, in-flight streams get this long to finish
+
+
+@dataclass
+class ServerContext:
+    registry: BackendRegistry
+    metrics: ServerMetrics
+    settings: ServerSettings = field(default_factory=ServerSettings)
+    inflight: InflightRegistry = field(default_factory=InflightRegistry)
+    started_at: float = field(default_factory=time.time)
+    draining: bool = False
+    store: object | None = None             # sits.api.request_store.RequestStore, set by create_app
+
+
+def context_of(request: Request) -> ServerContext:
+    return request.app.state.sits
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def accepted_at(request: Request) -> float:
+    """When the edge middleware accepted this request (time.monotonic), or now."""
+    return request.scope.get("state", {}).get("sits_accepted_at") or time.monotonic()

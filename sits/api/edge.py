@@ -1,0 +1,155 @@
+"""The edge: what every HTTP request goes through before any route (a pure ASGI middleware).
+
+It stamps the acceptance time (the zero of every server-side latency), assigns ``x-request-id``
+(the client's own when it sends a sane one), checks API keys in constant time, bounds the body
+(413 over the limit, 408 for a client that trickles it too slowly), reads every ``/v1`` body as
+JSON (``curl -d`` labels it form-urlencoded), refuses new work while the
+server drains, and adds ``x-request-id`` / ``server-timing`` to every response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import re
+import time
+import uuid
+from collections.abc import Callable
+
+from sits.api.errors import error_body
+
+_SANE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_BODY_METHODS = {"POST", "PUT", "PATCH"}
+OPEN_PATHS = ("/health", "/ready", "/metrics", "/docs", "/openapi.json", "/redoc")
+
+
+def _json(status: int, message: str, code: str, extra_headers: list[tuple[bytes, bytes]] | None = None):
+    body = json.dumps(error_body(message, status, code)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    return status, headers + (extra_headers or []), body
+
+
+def keys_match(presented: str, keys: tuple[str, ...]) -> bool:
+    """Constant time in the key's content: every configured key is compared, no early exit."""
+    ok = False
+    p = presented.encode()
+    for k in keys:
+        ok |= hmac.compare_digest(p, k.encode())
+    return ok
+
+
+class EdgeMiddleware:
+    def __init__(self, app, *, api_keys: Callable[[], tuple[str, ...]], max_body_bytes: Callable[[], int],
+                 draining: Callable[[], bool], body_timeout_s: float = 30.0):
+        self.app = app
+        self.api_keys = api_keys
+        self.max_body_bytes = max_body_bytes
+        self.draining = draining
+        self.body_timeout_s = body_timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.monotonic()
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        rid = headers.get(b"x-request-id", b"").decode("latin-1")
+        if not _SANE_ID.match(rid):
+            rid = uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        state["sits_accepted_at"] = t0
+        state["request_id"] = rid
+        rid_header = (b"x-request-id", rid.encode())
+
+        async def reply(status: int, message: str, code: str, extra=None) -> None:
+            st, hs, body = _json(status, message, code, extra)
+            await send({"type": "http.response.start", "status": st, "headers": hs + [rid_header]})
+            await send({"type": "http.response.body", "body": body})
+
+        path: str = scope.get("path", "")
+        method: str = scope.get("method", "GET")
+        keys = self.api_keys()
+        if keys and path.startswith("/v1/"):
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not keys_match(token.strip(), keys):
+                return await reply(401, "invalid or missing API key: send Authorization: Bearer <key>",
+                                   "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+        if self.draining() and method in _BODY_METHODS and path.startswith("/v1/"):
+            return await reply(503, "the server is shutting down and takes no new work", "server_shutting_down",
+                               [(b"retry-after", b"1"), (b"connection", b"close")])
+
+        if method in _BODY_METHODS:
+            limit = self.max_body_bytes()
+            declared = headers.get(b"content-length")
+            if declared is not None:
+                try:
+                    if int(declared) > limit:
+                        return await reply(413, f"request body is {int(declared)} bytes; the limit is {limit}",
+                                           "payload_too_large", [(b"connection", b"close")])
+                except ValueError:
+                    return await reply(400, "Content-Length is not a number", "invalid_request")
+            try:
+                body = await asyncio.wait_for(self._read_body(receive, limit), self.body_timeout_s)
+            except _TooLarge:
+                return await reply(413, f"request body exceeds the limit of {limit} bytes", "payload_too_large",
+                                   [(b"connection", b"close")])
+            except TimeoutError:
+                return await reply(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                                   "request_timeout", [(b"connection", b"close")])
+            except _Disconnected:
+                return
+            receive = _replay(body, receive)
+            ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+            if path.startswith("/v1/") and ctype in (b"", b"application/x-www-form-urlencoded"):
+                # `curl -d` sends form-urlencoded by default; every /v1 body is JSON, so read it as such
+                scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+                         + [(b"content-type", b"application/json")]}
+
+        async def send_with_headers(message):
+            if message["type"] == "http.response.start":
+                hs = list(message.get("headers", []))
+                names = {k.lower() for k, _ in hs}
+                hs.append(rid_header)
+                if b"server-timing" not in names:
+                    hs.append((b"server-timing", f"edge;dur={(time.monotonic() - t0) * 1e3:.3f}".encode()))
+                message = {**message, "headers": hs}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+    @staticmethod
+    async def _read_body(receive, limit: int) -> bytes:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _Disconnected()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _TooLarge()
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _Disconnected(Exception):
+    pass
+
+
+def _replay(body: bytes, receive):
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

@@ -1,0 +1,205 @@
+"""One client request run as one or more engine sequences (n choices x prompts), merged.
+
+Both dialects go through here: every job is validated and tokenized before anything is queued (so
+bad input is a 4xx, never a half-started stream), the merged stream feeds the metrics, and every
+live sequence is registered in ``InflightRegistry`` so a graceful shutdown can tell it why it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+from sits.api.backend import Backend
+from sits.api.metrics import ServerMetrics
+from sits.engine.errors import SitsError
+from sits.engine.llm_engine import TokenEvent
+from sits.engine.sampling_params import SamplingParams
+from sits.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class ChoiceResult:
+    """What one choice produced, accumulated from its events."""
+
+    index: int
+    prompt_index: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    last: TokenEvent | None = None
+    first: TokenEvent | None = None
+
+    def add(self, ev: TokenEvent) -> None:
+        if self.first is None:
+            self.first = ev
+        self.last = ev
+        self.text.append(ev.text)
+        if ev.token_id is not None:
+            self.token_ids.append(ev.token_id)
+            self.logprobs.append(ev.logprob)
+            self.top_logprobs.append(ev.top_logprobs)
+        if ev.finished:
+            self.finish_reason = ev.finish_reason
+
+
+class InflightRegistry:
+    """Engine requests currently streaming, by id, so shutdown can abort them with a reason."""
+
+    def __init__(self) -> None:
+        self._live: dict[str, Backend] = {}
+
+    def add(self, request_id: str, backend: Backend) -> None:
+        self._live[request_id] = backend
+
+    def discard(self, request_id: str) -> None:
+        self._live.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def abort_all(self, error: SitsError) -> int:
+        live = list(self._live.items())
+        for rid, backend in live:
+            backend.abort(rid, error)
+        return len(live)
+
+
+def seed_for_choice(seed: int | None, i: int) -> int | None:
+    """Choice i of n gets seed + i, so n > 1 with a seed is reproducible and not n copies."""
+    if seed is None or i == 0:
+        return seed
+    return (seed + i) % 2**64
+
+
+class Generation:
+    """The engine sequences of one HTTP request and their merged events ``(choice index, event)``."""
+
+    def __init__(self, backend: Backend, metrics: ServerMetrics, inflight: InflightRegistry,
+                 request_id: str, jobs: list[tuple[str | list[int], SamplingParams]], *,
+                 n: int = 1, priority: int = 0, interactive: bool = True, accepted_at: float | None = None):
+        self.backend = backend
+        self.metrics = metrics
+        self.inflight = inflight
+        self.request_id = request_id
+        self.accepted_at = accepted_at if accepted_at is not None else time.monotonic()
+        self.seqs: list[Sequence] = []
+        self.choices: list[ChoiceResult] = []
+        for p_idx, (prompt, params) in enumerate(jobs):
+            for c in range(n):
+                idx = p_idx * n + c
+                sp = params if c == 0 else _with_seed(params, seed_for_choice(params.seed, c))
+                self.seqs.append(backend.prepare(prompt, sp, request_id=f"{request_id}-{idx}",
+                                                 priority=priority, interactive=interactive))
+                self.choices.append(ChoiceResult(idx, p_idx))
+        self.prepared_at = time.monotonic()
+        self.num_prompts = len(jobs)
+        self._started = False
+        self._closed = False
+
+    # -- accounting -----------------------------------------------------------------------------
+    @property
+    def prompt_tokens(self) -> int:
+        n = len(self.seqs) // self.num_prompts
+        return sum(len(s.prompt_token_ids) for s in self.seqs[::n])
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    @property
+    def cached_tokens(self) -> int:
+        n = len(self.seqs) // self.num_prompts
+        return sum(c.last.num_cached_tokens for c in self.choices[::n] if c.last is not None)
+
+    def usage(self) -> dict:
+        p, c = self.prompt_tokens, self.completion_tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    def timings_ms(self) -> dict[str, float | None]:
+        """validate (accept -> queued), queue, prefill, decode, total: for server-timing and views."""
+        first = min((c.first for c in self.choices if c.first is not None), key=lambda e: e.time, default=None)
+        last = max((c.last for c in self.choices if c.last is not None), key=lambda e: e.time, default=None)
+
+        def ms(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else round((b - a) * 1e3, 3)
+
+        out = {"validate": ms(self.accepted_at, self.prepared_at), "queue": None, "prefill": None,
+               "decode": None, "total": None}
+        if first is not None:
+            out["queue"] = ms(first.arrival_time, first.first_scheduled_time)
+            out["prefill"] = ms(first.first_scheduled_time, first.first_token_time)
+        if last is not None and last.finished and first is not None:
+            out["decode"] = ms(first.first_token_time, last.time)
+            out["total"] = ms(self.accepted_at, last.time)
+        return out
+
+    # -- the stream -----------------------------------------------------------------------------
+    async def events(self) -> AsyncIterator[tuple[int, TokenEvent]]:
+        """Merged events of every choice; closing this generator aborts whatever still runs."""
+        if self._started:
+            raise RuntimeError("Generation.events() can be consumed once")
+        self._started = True
+        if len(self.seqs) == 1:
+            async for item in self._one(0):
+                yield item
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int) -> None:
+            try:
+                async for item in self._one(i):
+                    queue.put_nowait(item)
+            except BaseException as e:  # handed to the consumer, which re-raises it
+                queue.put_nowait(e)
+                return
+            queue.put_nowait(done)
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.seqs))]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _one(self, i: int) -> AsyncIterator[tuple[int, TokenEvent]]:
+        seq = self.seqs[i]
+        choice = self.choices[i]
+        model = self.backend.name
+        self.inflight.add(seq.request_id, self.backend)
+        prev: float | None = None
+        try:
+            async for ev in self.backend.stream(seq):
+                self.metrics.observe_token(model, ev, prev)
+                if ev.token_id is not None:
+                    prev = ev.time
+                choice.add(ev)
+                yield i, ev
+        finally:
+            self.inflight.discard(seq.request_id)
+            if choice.finish_reason is None:
+                self.metrics.observe_abort(model)
+
+    async def run(self) -> None:
+        """Consume to the end (non-streaming responses)."""
+        async for _ in self.events():
+            pass
+
+
+def _with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:
+    return replace(params, seed=seed)

@@ -1,0 +1,372 @@
+"""The OpenAI dialect: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
+
+A request is validated and tokenized completely before anything is queued, so bad input is a 4xx
+with the OpenAI error body. A streamed response starts once the first token exists: its headers
+then carry a true ``server-timing`` (validate, queue, prefill), and an engine error before the first
+token is still a proper 4xx instead of a broken stream. After that, chunks follow the OpenAI wire
+format exactly (role chunk, deltas, finish chunk, optional usage chunk, ``data: [DONE]``).
+``X-SITS-Stream-Meta: 1`` adds ``"sits": {"seq", "stage", "delay_us"}`` to every chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from sits.api.backend import Backend
+from sits.api.context import accepted_at, context_of, new_request_id
+from sits.api.errors import ErrorResponse, error_response, sits_error_as_dict
+from sits.api.generation import ChoiceResult, Generation
+from sits.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                               CompletionResponse, ModelCard, ModelList)
+from sits.api.sse import SSE_DONE, ClientDisconnected, SSEResponse, sse_data, until_disconnect
+from sits.engine.errors import ContextLengthExceededError, InvalidRequestError, SitsError
+from sits.engine.llm_engine import TokenEvent
+from sits.engine.sampling_params import SamplingParams
+
+router = APIRouter()
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "invalid request (OpenAI error body)"},
+    401: {"model": ErrorResponse, "description": "missing or wrong API key"},
+    404: {"model": ErrorResponse, "description": "unknown model"},
+    409: {"model": ErrorResponse, "description": "conflict"},
+    413: {"model": ErrorResponse, "description": "request body too large"},
+    503: {"model": ErrorResponse, "description": "not ready or shutting down"},
+}
+STREAM_DOC = {"content": {"text/event-stream": {"schema": {"type": "string"},
+                                                "description": "with stream=true: SSE chunks, then data: [DONE]"}}}
+
+
+# -- request -> engine jobs -------------------------------------------------------------------------
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                    logprobs: int | None) -> SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None or req.top_k < 0 else req.top_k,
+        min_p=req.min_p or 0.0,
+        seed=req.seed,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+        logprobs=logprobs)
+
+
+def default_max_tokens(backend: Backend, prompt_len: int) -> int:
+    """What ``max_tokens: null`` means: the rest of the context (and of the KV pool)."""
+    room = min(backend.max_model_len, backend.kv_capacity_tokens) - prompt_len
+    if room < 1:
+        raise ContextLengthExceededError(
+            f"this model's maximum context length is {backend.max_model_len} tokens and the prompt has "
+            f"{prompt_len}: no room is left for output", param="messages")
+    return room
+
+
+def completion_prompts(req: CompletionRequest, backend: Backend) -> list[str | list[int]]:
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise InvalidRequestError("prompt is empty", param="prompt", code="empty_prompt")
+    if all(isinstance(x, str) for x in p):
+        return list(p)
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]
+    return [list(x) for x in p]
+
+
+def chat_prompt_ids(req: ChatCompletionRequest, backend: Backend) -> list[int]:
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                for m in req.messages]
+    text = backend.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+    ids = backend.tokenizer.encode(text)
+    if not ids:
+        raise InvalidRequestError("the rendered conversation is empty", param="messages", code="empty_prompt")
+    return ids
+
+
+# -- headers --------------------------------------------------------------------------------------
+def response_headers(gen: Generation, ignored: list[str]) -> dict[str, str]:
+    t = gen.timings_ms()
+    parts = [f"{k};dur={v}" for k in ("validate", "queue", "prefill", "decode", "total")
+             if (v := t.get(k)) is not None]
+    h = {"server-timing": ", ".join(parts)}
+    if ignored:
+        h["warning"] = f'299 sits "ignored unknown field(s): {", ".join(ignored)}"'
+    return h
+
+
+def wants_stream_meta(request: Request) -> bool:
+    return request.headers.get("x-sits-stream-meta", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+# -- logprobs -------------------------------------------------------------------------------------
+def _token_text(backend: Backend, tid: int) -> str:
+    return backend.tokenizer.decode([tid], skip_special_tokens=False)
+
+
+def completion_logprobs(backend: Backend, ch: ChoiceResult, start: int = 0, offset0: int = 0,
+                        events: list[TokenEvent] | None = None) -> dict[str, Any]:
+    ids = ch.token_ids[start:]
+    lps = ch.logprobs[start:]
+    tops = ch.top_logprobs[start:]
+    tokens = [_token_text(backend, t) for t in ids]
+    offsets, pos = [], offset0
+    for tok in tokens:
+        offsets.append(pos)
+        pos += len(tok)
+    top = None
+    if any(t is not None for t in tops):
+        top = [None if t is None else {_token_text(backend, i): lp for i, lp in t} for t in tops]
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(backend: Backend, ch: ChoiceResult, start: int = 0) -> dict[str, Any]:
+    content = []
+    for tid, lp, top in zip(ch.token_ids[start:], ch.logprobs[start:], ch.top_logprobs[start:]):
+        tok = _token_text(backend, tid)
+        content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                        "top_logprobs": [{"token": (tt := _token_text(backend, i)), "logprob": v,
+                                          "bytes": list(tt.encode())} for i, v in (top or [])]})
+    return {"content": content}
+
+
+# -- routes ---------------------------------------------------------------------------------------
+@router.get("/v1/models", response_model=ModelList, tags=["openai"], responses=ERRORS)
+async def list_models(request: Request) -> ModelList:
+    reg = context_of(request).registry
+    return ModelList(data=[ModelCard(id=b.name, created=b.created, max_model_len=b.max_model_len, root=b.root)
+                           for b in reg.all()])
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, tags=["openai"],
+             responses={**ERRORS, 200: STREAM_DOC})
+async def create_completion(body: CompletionRequest, request: Request):
+    ctx = context_of(request)
+    backend = ctx.registry.get(body.model)
+    max_tokens = body.max_tokens
+    prompts = completion_prompts(body, backend)
+    jobs = []
+    for p in prompts:
+        mt = max_tokens if max_tokens is not None else default_max_tokens(
+            backend, len(p) if isinstance(p, list) else len(backend.tokenizer.encode(p)))
+        jobs.append((p, sampling_params(body, mt, body.logprobs)))
+    rid = new_request_id()
+    gen = Generation(backend, ctx.metrics, ctx.inflight, rid, jobs, n=body.n, priority=body.priority,
+                     interactive=True, accepted_at=accepted_at(request))
+    ignored = body.ignored_fields()
+    if body.stream:
+        return await _stream(request, gen, _CompletionChunks(f"cmpl-{rid}", backend, gen, body), ignored)
+    await _run(request, gen)
+    choices = []
+    for ch in gen.choices:
+        c: dict[str, Any] = {"index": ch.index, "text": "".join(ch.text), "finish_reason": ch.finish_reason,
+                             "logprobs": None}
+        if body.logprobs is not None:
+            c["logprobs"] = completion_logprobs(backend, ch)
+        choices.append(c)
+    out = {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()),
+           "model": backend.name, "choices": choices, "usage": gen.usage()}
+    return JSONResponse(out, headers=response_headers(gen, ignored))
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, tags=["openai"],
+             responses={**ERRORS, 200: STREAM_DOC})
+async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+    ctx = context_of(request)
+    backend = ctx.registry.get(body.model)
+    ids = chat_prompt_ids(body, backend)
+    max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens(backend, len(ids))
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    if body.top_logprobs and not body.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs",
+                                  code="invalid_parameter")
+    rid = new_request_id()
+    gen = Generation(backend, ctx.metrics, ctx.inflight, rid, [(ids, sampling_params(body, max_tokens, logprobs))],
+                     n=body.n, priority=body.priority, interactive=True, accepted_at=accepted_at(request))
+    ignored = body.ignored_fields()
+    if body.stream:
+        return await _stream(request, gen, _ChatChunks(f"chatcmpl-{rid}", backend, gen, body), ignored)
+    await _run(request, gen)
+    choices = []
+    for ch in gen.choices:
+        c: dict[str, Any] = {"index": ch.index, "message": {"role": "assistant", "content": "".join(ch.text)},
+                             "finish_reason": ch.finish_reason, "logprobs": None}
+        if body.logprobs:
+            c["logprobs"] = chat_logprobs(backend, ch)
+        choices.append(c)
+    out = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
+           "model": backend.name, "choices": choices, "usage": gen.usage()}
+    return JSONResponse(out, headers=response_headers(gen, ignored))
+
+
+# -- running ----------------------------------------------------------------------------------------
+async def _run(request: Request, gen: Generation) -> None:
+    """A non-streamed request: run to the end, aborting it if the client goes away meanwhile."""
+    try:
+        await until_disconnect(request, gen.run())
+    except ClientDisconnected:
+        raise _Gone() from None
+
+
+class _Gone(SitsError):
+    """Client disconnected; nobody reads the answer (499 in the access log)."""
+
+    code = "client_disconnected"
+    http_status = 499
+
+
+class _Chunks:
+    """Turns merged (choice, event) pairs into the dialect's chunk dicts."""
+
+    obj = ""
+
+    def __init__(self, cid: str, backend: Backend, gen: Generation, body):
+        self.cid, self.backend, self.gen, self.body = cid, backend, gen, body
+        self.created = int(time.time())
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def base(self, choices: list[dict]) -> dict[str, Any]:
+        return {"id": self.cid, "object": self.obj, "created": self.created, "model": self.backend.name,
+                "choices": choices}
+
+    def opening(self) -> list[dict]:
+        return []
+
+    def delta(self, i: int, ev: TokenEvent) -> dict | None:
+        raise NotImplementedError
+
+    def usage(self) -> dict:
+        out = self.base([])
+        out["usage"] = self.gen.usage()
+        return out
+
+
+class _CompletionChunks(_Chunks):
+    obj = "text_completion"
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.offsets = [0] * len(self.gen.choices)
+
+    def opening(self) -> list[dict]:
+        return []
+
+    def delta(self, i: int, ev: TokenEvent) -> dict | None:
+        if not ev.text and not ev.finished:
+            return None
+        ch = self.gen.choices[i]
+        c: dict[str, Any] = {"index": i, "text": ev.text, "logprobs": None,
+                             "finish_reason": ev.finish_reason if ev.finished else None}
+        if self.body.logprobs is not None and ev.token_id is not None:
+            c["logprobs"] = completion_logprobs(self.backend, ch, start=len(ch.token_ids) - 1,
+                                                offset0=self.offsets[i])
+        self.offsets[i] += len(ev.text)
+        return self.base([c])
+
+
+class _ChatChunks(_Chunks):
+    obj = "chat.completion.chunk"
+
+    def opening(self) -> list[dict]:
+        return [self.base([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}]) for c in self.gen.choices]
+
+    def delta(self, i: int, ev: TokenEvent) -> dict | None:
+        if not ev.text and not ev.finished:
+            return None
+        ch = self.gen.choices[i]
+        c: dict[str, Any] = {"index": i, "delta": {"content": ev.text} if ev.text else {}, "logprobs": None,
+                             "finish_reason": ev.finish_reason if ev.finished else None}
+        if self.body.logprobs and ev.token_id is not None:
+            c["logprobs"] = chat_logprobs(self.backend, ch, start=len(ch.token_ids) - 1)
+        return self.base([c])
+
+
+class _Meta:
+    """``"sits": {...}`` per chunk: which stage the time before this chunk went to, and how long."""
+
+    def __init__(self, gen: Generation):
+        self.gen = gen
+        self.seq = 0
+        self.prev: float | None = None
+
+    def tag(self, chunk: dict, stage: str, delay_s: float, **extra: Any) -> dict:
+        chunk["sits"] = {"seq": self.seq, "stage": stage, "delay_us": max(0, round(delay_s * 1e6)), **extra}
+        self.seq += 1
+        return chunk
+
+
+async def _stream(request: Request, gen: Generation, chunks: _Chunks, ignored: list[str]) -> SSEResponse:
+    events = gen.events()
+    try:
+        first = await until_disconnect(request, events.__anext__())
+    except ClientDisconnected:
+        await events.aclose()
+        raise _Gone() from None
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await events.aclose()
+        raise
+    meta = _Meta(gen) if wants_stream_meta(request) else None
+    headers = response_headers(gen, ignored)
+    return SSEResponse(_sse_body(gen, events, first, chunks, meta), headers=headers)
+
+
+async def _sse_body(gen: Generation, events: AsyncIterator[tuple[int, TokenEvent]],
+                    first: tuple[int, TokenEvent] | None, chunks: _Chunks, meta: _Meta | None) -> AsyncIterator[bytes]:
+    prev_time: dict[int, float] = {}
+    try:
+        opening = chunks.opening()
+        if meta is not None and first is not None:
+            ev = first[1]
+            sched = ev.first_scheduled_time or ev.arrival_time
+            if not opening:   # completions have no role chunk: an empty one carries the queue stage
+                opening = [chunks.base([{"index": 0, "text": "", "logprobs": None, "finish_reason": None}])]
+            opening = [meta.tag(opening[0], "queue", sched - gen.accepted_at,
+                                validate_us=round((gen.prepared_at - gen.accepted_at) * 1e6))] + [
+                meta.tag(c, "queue", 0.0) for c in opening[1:]]
+        for c in opening:
+            yield sse_data(c)
+        pending = [first] if first is not None else []
+
+        async def all_events():
+            for item in pending:
+                yield item
+            async for item in events:
+                yield item
+
+        async for i, ev in all_events():
+            c = chunks.delta(i, ev)
+            if c is None:
+                prev_time.setdefault(i, ev.time)
+                continue
+            if meta is not None:
+                if i not in prev_time:
+                    sched = ev.first_scheduled_time or ev.arrival_time
+                    ttft = (ev.first_token_time or ev.time) - ev.arrival_time
+                    meta.tag(c, "prefill", (ev.first_token_time or ev.time) - sched,
+                             engine_ttft_us=round(ttft * 1e6))
+                else:
+                    meta.tag(c, "decode", ev.time - prev_time[i])
+            prev_time[i] = ev.time
+            yield sse_data(c)
+        if chunks.include_usage:
+            yield sse_data(chunks.usage())
+    except SitsError as e:  # e.g. the server is draining: tell the client why the stream ends
+        yield sse_data({"error": sits_error_as_dict(e)})
+    finally:
+        await events.aclose()
+    yield SSE_DONE
+
+
+__all__ = ["router", "error_response"]

@@ -1,0 +1,216 @@
+"""Request and response bodies of both dialects, as pydantic models (they are the OpenAPI schema).
+
+Requests are strict about types (``"max_tokens": "5"`` is a 400, not a silent coercion) and
+lenient about unknown fields: those are accepted, ignored and named in a ``Warning`` header, as
+vLLM does, so clients that send parameters SITS does not implement keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sits.engine.sampling_params import MAX_LOGPROBS
+
+MAX_N = 16
+MAX_STOP = 16
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """What completions and chat completions share."""
+
+    model: str = Field(..., min_length=1, description="a served model (GET /v1/models)")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 means greedy; default 1")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=1_000_000, description="-1 or 0 disables top-k")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP} stop strings")
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+    priority: int = Field(0, ge=-1000, le=1000, description="higher is served sooner (pfsd scheduler)")
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="a string, a list of strings, token ids, or a list of token-id lists")
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
+    max_completion_tokens: int | None = Field(None, ge=1, description="alias of max_tokens (newer clients)")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+
+# -- responses (documented in the OpenAPI schema) -----------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None = None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "sits"
+    max_model_len: int | None = None
+    root: str | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# -- the SITS dialect ---------------------------------------------------------------------------
+class Constraints(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    max_tokens: int = Field(64, ge=1)
+    timeout_ms: int | None = Field(None, ge=1, le=24 * 3600 * 1000,
+                                   description="from acceptance to the end; REJECTED `timeout` when it runs out")
+    priority: int = Field(0, ge=-1000, le=1000, description="higher is served sooner")
+
+
+class SitsRequest(_Request):
+    """``POST /v1/requests``: work submitted now, followed through its states, answered later."""
+
+    unit: str | None = Field(None, min_length=1, description="the unit (served model); default: the only one")
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    memory_ref: str | None = Field(None, min_length=1)
+    allowed_tools: list[str] | None = None
+    constraints: Constraints = Field(default_factory=Constraints)
+    callback_url: str | None = Field(None, max_length=2048, description="receives every transition as a POST")
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: str | list[str] | None = None
+    interactive: bool = Field(False, description="a user watches the stream (vs a batch job)")
+
+
+class SitsRequestView(BaseModel):
+    """What ``GET /v1/requests/{id}`` answers: state, timings, and the result once terminal."""
+
+    id: str
+    object: Literal["sits.request"] = "sits.request"
+    unit: str | None = None
+    state: Literal["PENDING", "VALIDATING", "EXECUTING", "RESOLVED", "REJECTED"]
+    created_ns: int
+    updated_ns: int
+    transitions: list[dict[str, Any]]
+    output: str | None = None
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    timings: dict[str, float | None] = {}
+    error: dict[str, Any] | None = None
+    events_url: str

@@ -1,0 +1,115 @@
+"""``sits serve``: one model behind the HTTP surface, on uvicorn.
+
+The HTTP server starts first and the engine loads behind it (``/health`` answers at once,
+``/ready`` says 503 until the weights are loaded and warm-up is done), so an orchestrator can tell
+"starting" from "dead". On SIGINT/SIGTERM the server drains before uvicorn closes connections:
+in-flight streams get ``drain_grace_s`` to finish and are then ended with a ``server_shutting_down``
+error chunk instead of a cut connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+
+import uvicorn
+from fastapi import FastAPI
+
+from sits.api.app import create_app, drain
+from sits.api.backend import BackendRegistry, EngineBackend
+from sits.api.context import ServerSettings
+from sits.engine.async_engine import AsyncEngine
+from sits.engine.config import EngineConfig
+
+log = logging.getLogger("sits.serve")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but a shutdown first drains the app (streams told why they end)."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, grace_s: float):
+        super().__init__(config)
+        self.sits_app = app
+        self.grace_s = grace_s
+
+    async def shutdown(self, sockets=None) -> None:
+        await drain(self.sits_app, self.grace_s)
+        await super().shutdown(sockets)
+
+
+def build_app(engine_cfg: EngineConfig, settings: ServerSettings, served_name: str | None = None,
+              on_ready=None, on_fail=None) -> FastAPI:
+    name = served_name or os.path.basename(os.path.normpath(engine_cfg.model))
+    registry = BackendRegistry(loading=[name])
+    engines: list[AsyncEngine] = []
+
+    async def load(app: FastAPI) -> None:
+        try:
+            engine = await AsyncEngine.start(engine_cfg)
+        except Exception:
+            log.exception("loading %s failed", engine_cfg.model)
+            registry.loading.discard(name)
+            if on_fail is not None:
+                on_fail()
+            raise
+        engines.append(engine)
+        registry.add(EngineBackend(engine, name=name))
+        log.info("cold start of %s:\n%s", name, engine.engine.report.format())
+        if on_ready is not None:
+            on_ready(name, engine)
+
+    async def stop(app: FastAPI) -> None:
+        for e in engines:
+            await e.shutdown()
+
+    return create_app(registry, settings, on_startup=[load], on_shutdown=[stop])
+
+
+def usage_banner(name: str, host: str, port: int, api_key: str | None) -> str:
+    base = f"http://{host}:{port}"
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    key = api_key or "none"
+    return f"""
+SITS is serving {name!r} at {base}  (OpenAPI: {base}/docs, metrics: {base}/metrics)
+
+  curl -s {base}/v1/completions{auth} -H 'Content-Type: application/json' \\
+       -d '{{"model": "{name}", "prompt": "The Python language", "max_tokens": 32}}'
+
+  curl -sN {base}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\
+       -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32, "stream": true}}'
+
+  curl -s {base}/v1/requests{auth} -H 'Content-Type: application/json' \\
+       -d '{{"prompt": "Once upon a time", "constraints": {{"max_tokens": 32, "timeout_ms": 10000}}}}'
+  # then: curl -sN {base}/v1/requests/<id>/events
+
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='{key}'); \\
+print(c.chat.completions.create(model='{name}', messages=[{{'role': 'user', 'content': 'Hi'}}], max_tokens=32).choices[0].message.content)"
+"""
+
+
+def serve(engine_cfg: EngineConfig, settings: ServerSettings, *, host: str = "127.0.0.1", port: int = 8000,
+          served_name: str | None = None, log_level: str = "info") -> int:
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    shown_key = settings.api_keys[0] if settings.api_keys else None
+
+    def on_ready(name: str, engine: AsyncEngine) -> None:
+        print(usage_banner(name, host, port, shown_key), file=sys.stderr, flush=True)
+
+    failed = False
+    server: DrainingServer | None = None
+
+    def on_fail() -> None:
+        nonlocal failed
+        failed = True
+        if server is not None:
+            server.should_exit = True
+
+    app = build_app(engine_cfg, settings, served_name, on_ready, on_fail)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                            timeout_keep_alive=30, access_log=False)
+    server = DrainingServer(config, app, settings.drain_grace_s)
+    asyncio.run(server.serve())
+    return 1 if failed else 0

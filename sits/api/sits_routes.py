@@ -1,0 +1,188 @@
+"""The SITS dialect: ``/v1/requests`` — submit now, follow the state machine, read the result later.
+
+``POST`` answers ``202 PENDING`` at once; a background task then moves the request through
+VALIDATING (unit, tools, memory, context length) and EXECUTING (the engine) to RESOLVED or
+REJECTED. Type errors in the body are a synchronous 400 (nothing accepted); everything decided
+after acceptance is a REJECTED state with a machine-readable code, never a lost request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from sits.api.context import ServerContext, accepted_at, context_of, new_request_id
+from sits.api.errors import ConflictError, ErrorResponse, ModelNotFoundError, RequestNotFoundError
+from sits.api.generation import Generation
+from sits.api.lifecycle import RequestState
+from sits.api.protocol import SitsRequest, SitsRequestView
+from sits.api.request_store import RequestStore, TrackedRequest
+from sits.api.sse import SSE_KEEPALIVE, SSEResponse, sse_event
+from sits.api.webhooks import WebhookDispatcher, validate_callback_url
+from sits.engine.errors import InvalidRequestError, SitsError
+from sits.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("sits.api")
+router = APIRouter(tags=["sits"])
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "invalid request body"},
+    401: {"model": ErrorResponse, "description": "missing or wrong API key"},
+    404: {"model": ErrorResponse, "description": "no such request"},
+    409: {"model": ErrorResponse, "description": "the request is already terminal"},
+    413: {"model": ErrorResponse, "description": "request body too large"},
+    429: {"model": ErrorResponse, "description": "too many unfinished requests"},
+}
+
+
+def _store(request: Request) -> RequestStore:
+    return context_of(request).store  # type: ignore[return-value]
+
+
+def _dispatcher(request: Request) -> WebhookDispatcher:
+    return request.app.state.webhooks
+
+
+@router.post("/v1/requests", status_code=202, response_model=SitsRequestView, responses=ERRORS)
+async def submit(body: SitsRequest, request: Request) -> JSONResponse:
+    ctx = context_of(request)
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidRequestError("send exactly one of prompt or messages", param="prompt",
+                                  code="invalid_parameter")
+    if body.prompt is not None and not body.prompt:
+        raise InvalidRequestError("prompt is empty", param="prompt", code="empty_prompt")
+    subscribers = [ctx.metrics.on_transition]
+    rid = f"req_{new_request_id()}"
+    if body.callback_url is not None:
+        validate_callback_url(body.callback_url, allow_private=ctx.settings.allow_private_callbacks)
+        subscribers.append(_dispatcher(request).subscriber(rid, body.callback_url))
+    tr = _store(request).create(rid, body.unit, subscribers)
+    t0 = accepted_at(request)
+    tr.task = asyncio.get_running_loop().create_task(_execute(ctx, tr, body, t0), name=f"sits-request-{rid}")
+    headers = {"location": f"/v1/requests/{rid}"}
+    ignored = body.ignored_fields()
+    if ignored:
+        headers["warning"] = f'299 sits "ignored unknown field(s): {", ".join(ignored)}"'
+    return JSONResponse(tr.view(), status_code=202, headers=headers)
+
+
+@router.get("/v1/requests/{request_id}", response_model=SitsRequestView, responses=ERRORS)
+async def get_request(request_id: str, request: Request) -> JSONResponse:
+    return JSONResponse(_store(request).get(request_id).view())
+
+
+@router.get("/v1/requests/{request_id}/events", responses={
+    **ERRORS, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+                    "description": "SSE: `event: state` (transitions) and `event: delta` (tokens), "
+                                   "each with an `id:`; resumable with Last-Event-ID"}})
+async def follow_request(request_id: str, request: Request, last_event_id: int | None = None):
+    tr = _store(request).get(request_id)
+    header = request.headers.get("last-event-id")
+    after = last_event_id or 0
+    if header is not None:
+        try:
+            after = int(header.strip())
+        except ValueError:
+            raise InvalidRequestError("Last-Event-ID must be an event id (an integer)", param="Last-Event-ID",
+                                      code="invalid_parameter") from None
+
+    async def body():
+        async for ev in tr.follow(after):
+            yield SSE_KEEPALIVE if ev is None else sse_event(ev.data, event_id=ev.id, event=ev.kind)
+
+    return SSEResponse(body())
+
+
+@router.delete("/v1/requests/{request_id}", response_model=SitsRequestView, responses=ERRORS)
+async def cancel_request(request_id: str, request: Request) -> JSONResponse:
+    tr = _store(request).get(request_id)
+    if tr.lifecycle.terminal:
+        raise ConflictError(f"request {request_id} is already {tr.state.value}; nothing to cancel",
+                            param="id", code="request_terminal")
+    tr.cancel_reason = ("cancelled", "cancelled by the client (DELETE)")
+    if tr.task is not None:
+        tr.task.cancel()
+        await asyncio.wait([tr.task])
+    tr.lifecycle.reject(*tr.cancel_reason)
+    return JSONResponse(tr.view())
+
+
+# -- execution ------------------------------------------------------------------------------------
+def _sampling(body: SitsRequest, max_tokens: int) -> SamplingParams:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                          top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=stop)
+
+
+def _validate(ctx: ServerContext, body: SitsRequest):
+    """VALIDATING: unit, tools, memory, context. Raises SitsError (-> REJECTED with its code)."""
+    try:
+        backend = ctx.registry.get(body.unit)
+    except ModelNotFoundError as e:
+        raise InvalidRequestError(e.message, param="unit", code="unit_not_found") from None
+    if body.allowed_tools:
+        raise InvalidRequestError(f"unit {backend.name!r} declares no tools; requested: "
+                                  f"{', '.join(body.allowed_tools)}", param="allowed_tools",
+                                  code="tool_not_allowed")
+    if body.memory_ref is not None:
+        raise InvalidRequestError(f"no memory set {body.memory_ref!r} exists", param="memory_ref",
+                                  code="memory_not_found")
+    if body.messages is not None:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt: str | list[int] = backend.tokenizer.encode(backend.tokenizer.apply_chat_template(messages))
+    else:
+        prompt = body.prompt or ""
+    return backend, prompt, _sampling(body, body.constraints.max_tokens)
+
+
+async def _execute(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest, t0: float) -> None:
+    lc = tr.lifecycle
+    timeout_ms = body.constraints.timeout_ms
+    deadline = None if timeout_ms is None else t0 + timeout_ms / 1e3
+    gen: Generation | None = None
+    try:
+        async with asyncio.timeout(None if deadline is None else deadline - time.monotonic()):
+            lc.advance(RequestState.VALIDATING)
+            backend, prompt, params = _validate(ctx, body)
+            gen = Generation(backend, ctx.metrics, ctx.inflight, tr.id, [(prompt, params)],
+                             priority=body.constraints.priority, interactive=body.interactive, accepted_at=t0)
+            lc.advance(RequestState.EXECUTING)
+            async for _, ev in gen.events():
+                if ev.text:
+                    tr.add_delta(ev.index, ev.text, ev.token_id)
+            ch = gen.choices[0]
+            tr.finish_reason = ch.finish_reason
+            tr.usage = gen.usage()
+            tr.timings = gen.timings_ms()
+            lc.advance(RequestState.RESOLVED, {"output": "".join(tr.output), "finish_reason": ch.finish_reason,
+                                               "usage": tr.usage, "timings": tr.timings})
+    except TimeoutError:
+        _finish_timings(tr, gen)
+        lc.reject("timeout", f"timeout_ms={timeout_ms} ran out in {lc.state.value}")
+    except asyncio.CancelledError:
+        _finish_timings(tr, gen)
+        code, message = tr.cancel_reason or ("server_shutting_down", "the server shut down before the request ended")
+        lc.reject(code, message)
+        raise
+    except SitsError as e:
+        _finish_timings(tr, gen)
+        lc.reject(e.code, e.message, **({"param": e.param} if e.param else {}))
+    except Exception as e:  # a bug: the request still ends, with a reason
+        log.exception("request %s failed", tr.id)
+        _finish_timings(tr, gen)
+        lc.reject("internal_error", f"internal error: {type(e).__name__}")
+
+
+def _finish_timings(tr: TrackedRequest, gen: Generation | None) -> None:
+    if gen is not None:
+        tr.timings = gen.timings_ms()
+        if gen.choices and gen.choices[0].token_ids:
+            tr.usage = gen.usage()
+
+
+__all__ = ["router", "RequestNotFoundError"]

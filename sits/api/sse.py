@@ -1,0 +1,89 @@
+"""Server-sent events: the wire format both dialects stream in, and client-disconnect handling.
+
+``SSEResponse`` closes its body generator as soon as the response ends for any reason (finished,
+client gone, server error), so the engine request behind it is aborted and its KV blocks freed at
+once rather than when the garbage collector gets to it. ``until_disconnect`` races an awaitable
+against the client going away, for the waits before a response has started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+
+T = TypeVar("T")
+
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+def sse_data(obj: Any) -> bytes:
+    """One ``data:`` event (compact JSON, as OpenAI clients parse it)."""
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def sse_event(data: Any, *, event_id: str | int | None = None, event: str | None = None) -> bytes:
+    """A full event with optional ``id:`` (for Last-Event-ID resumption) and ``event:`` lines."""
+    out = b""
+    if event_id is not None:
+        out += f"id: {event_id}\n".encode()
+    if event is not None:
+        out += f"event: {event}\n".encode()
+    return out + sse_data(data)
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_KEEPALIVE = b": keep-alive\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], status_code: int = 200,
+                 headers: dict[str, str] | None = None):
+        super().__init__(content, status_code=status_code, headers={**SSE_HEADERS, **(headers or {})},
+                         media_type=self.media_type)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response started."""
+
+
+async def until_disconnect(request: Request, aw: Awaitable[T]) -> T:
+    """Await ``aw``; if the client disconnects first, cancel it and raise ClientDisconnected."""
+    work = asyncio.ensure_future(aw)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        work.cancel()
+        watcher.cancel()
+        raise
+    if work in done:
+        watcher.cancel()
+        return work.result()
+    work.cancel()
+    try:
+        await work
+    except BaseException:
+        pass
+    raise ClientDisconnected()
