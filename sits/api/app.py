@@ -99,7 +99,8 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     app.add_middleware(EdgeMiddleware, api_keys=lambda: settings.api_keys,
-                       max_body_bytes=lambda: settings.max_body_bytes, draining=lambda: ctx.draining)
+                       max_body_bytes=lambda: settings.max_body_bytes, draining=lambda: ctx.draining,
+                       body_timeout_s=lambda: settings.body_timeout_s)
     app.openapi = lambda: _openapi(app)
     return app
 

@@ -21,6 +21,7 @@ from sits.api.metrics import ServerMetrics
 class ServerSettings:
     api_keys: tuple[str, ...] = ()          # empty: no auth
     max_body_bytes: int = 1 << 20           # 413 above this
+    body_timeout_s: float = 30.0            # 408 when a request body takes longer to arrive
     webhook_secret: str | None = None       # HMAC-SHA256 signature on webhook POSTs when set
     request_retention_s: float = 600.0      # finished SITS requests stay readable this long
     max_retained_requests: int = 10_000     # ... and at most this many are kept

@@ -41,7 +41,7 @@ def keys_match(presented: str, keys: tuple[str, ...]) -> bool:
 
 class EdgeMiddleware:
     def __init__(self, app, *, api_keys: Callable[[], tuple[str, ...]], max_body_bytes: Callable[[], int],
-                 draining: Callable[[], bool], body_timeout_s: float = 30.0):
+                 draining: Callable[[], bool], body_timeout_s: Callable[[], float] = lambda: 30.0):
         self.app = app
         self.api_keys = api_keys
         self.max_body_bytes = max_body_bytes
@@ -90,12 +90,12 @@ class EdgeMiddleware:
                 except ValueError:
                     return await reply(400, "Content-Length is not a number", "invalid_request")
             try:
-                body = await asyncio.wait_for(self._read_body(receive, limit), self.body_timeout_s)
+                body = await asyncio.wait_for(self._read_body(receive, limit), self.body_timeout_s())
             except _TooLarge:
                 return await reply(413, f"request body exceeds the limit of {limit} bytes", "payload_too_large",
                                    [(b"connection", b"close")])
             except TimeoutError:
-                return await reply(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                return await reply(408, f"the request body did not arrive within {self.body_timeout_s():g} s",
                                    "request_timeout", [(b"connection", b"close")])
             except _Disconnected:
                 return
