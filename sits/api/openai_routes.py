@@ -94,13 +94,13 @@ def chat_prompt_ids(req: ChatCompletionRequest, backend: Backend) -> list[int]:
 
 
 # -- headers --------------------------------------------------------------------------------------
-def response_headers(gen: Generation, ignored: list[str]) -> dict[str, str]:
+def response_headers(gen: Generation, warning: str | None) -> dict[str, str]:
     t = gen.timings_ms()
     parts = [f"{k};dur={v}" for k in ("validate", "queue", "prefill", "decode", "total")
              if (v := t.get(k)) is not None]
     h = {"server-timing": ", ".join(parts)}
-    if ignored:
-        h["warning"] = f'299 sits "ignored unknown field(s): {", ".join(ignored)}"'
+    if warning:
+        h["warning"] = warning
     return h
 
 
@@ -162,7 +162,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     rid = new_request_id()
     gen = Generation(backend, ctx.metrics, ctx.inflight, rid, jobs, n=body.n, priority=body.priority,
                      interactive=True, accepted_at=accepted_at(request))
-    ignored = body.ignored_fields()
+    ignored = body.warning_header()
     if body.stream:
         return await _stream(request, gen, _CompletionChunks(f"cmpl-{rid}", backend, gen, body), ignored)
     await _run(request, gen)
@@ -192,7 +192,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     rid = new_request_id()
     gen = Generation(backend, ctx.metrics, ctx.inflight, rid, [(ids, sampling_params(body, max_tokens, logprobs))],
                      n=body.n, priority=body.priority, interactive=True, accepted_at=accepted_at(request))
-    ignored = body.ignored_fields()
+    ignored = body.warning_header()
     if body.stream:
         return await _stream(request, gen, _ChatChunks(f"chatcmpl-{rid}", backend, gen, body), ignored)
     await _run(request, gen)
@@ -305,7 +305,7 @@ class _Meta:
         return chunk
 
 
-async def _stream(request: Request, gen: Generation, chunks: _Chunks, ignored: list[str]) -> SSEResponse:
+async def _stream(request: Request, gen: Generation, chunks: _Chunks, ignored: str | None) -> SSEResponse:
     events = gen.events()
     try:
         first = await until_disconnect(request, events.__anext__())

@@ -24,6 +24,16 @@ class _Request(BaseModel):
     def ignored_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
 
+    def warning_header(self) -> str | None:
+        """``Warning: 299`` naming the ignored fields (ASCII-escaped, bounded), or None."""
+        names = self.ignored_fields()
+        if not names:
+            return None
+        shown = ", ".join(n.encode("ascii", "backslashreplace").decode().replace('"', "'") for n in names[:20])
+        shown = "".join(ch if 0x20 <= ord(ch) < 0x7F else "?" for ch in shown)[:512]
+        more = f" (+{len(names) - 20} more)" if len(names) > 20 else ""
+        return f'299 sits "ignored unknown field(s): {shown}{more}"'
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")

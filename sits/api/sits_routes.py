@@ -65,9 +65,8 @@ async def submit(body: SitsRequest, request: Request) -> JSONResponse:
     t0 = accepted_at(request)
     tr.task = asyncio.get_running_loop().create_task(_execute(ctx, tr, body, t0), name=f"sits-request-{rid}")
     headers = {"location": f"/v1/requests/{rid}"}
-    ignored = body.ignored_fields()
-    if ignored:
-        headers["warning"] = f'299 sits "ignored unknown field(s): {", ".join(ignored)}"'
+    if (warning := body.warning_header()) is not None:
+        headers["warning"] = warning
     return JSONResponse(tr.view(), status_code=202, headers=headers)
 
 

@@ -1,0 +1,116 @@
+"""Concurrency and connection life: 64 streams at once, disconnects free KV blocks, shutdown drains."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from sits.api.context import ServerSettings
+
+
+@pytest.fixture(scope="module")
+def server(serve_tiny):
+    return serve_tiny(kv_cache_memory_mb=64)
+
+
+def _backend(srv):
+    return srv.app.state.sits.registry.get("tiny")
+
+
+def _wait_idle(srv, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        s = _backend(srv).stats()
+        if s.num_running == 0 and s.num_waiting == 0 and s.kv_usage == 0.0:
+            return s
+        assert time.monotonic() < deadline, s
+        time.sleep(0.01)
+
+
+def test_64_concurrent_streams_complete_without_error(server):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+        async def one(i: int):
+            stream = await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": f"stream number {i}"}], max_tokens=16,
+                temperature=0.8, seed=i, stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True})
+            text, usage = [], None
+            async for ch in stream:
+                if ch.choices:
+                    text.append(ch.choices[0].delta.content or "")
+                if ch.usage:
+                    usage = ch.usage
+            return "".join(text), usage
+
+        results = await asyncio.gather(*[one(i) for i in range(64)])
+        await client.close()
+        return results
+
+    results = asyncio.run(main())
+    assert len(results) == 64
+    assert all(u is not None and u.completion_tokens == 16 for _, u in results)
+    assert all(text for text, _ in results)
+    _wait_idle(server)
+
+
+def test_a_disconnecting_client_frees_its_blocks(server):
+    _wait_idle(server)
+    with httpx.stream("POST", server.url + "/v1/completions",
+                      json={"model": "tiny", "prompt": "a long one", "max_tokens": 200, "stream": True,
+                            "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        got = 0
+        for ln in lines:
+            if ln.startswith("data: {"):
+                got += 1
+                if got == 3:
+                    break
+        s = _backend(server).stats()
+        assert s.num_running == 1 and s.kv_usage > 0
+    # the connection is closed: the engine request is aborted and its blocks are free again
+    t0 = time.monotonic()
+    _wait_idle(server, timeout=5)
+    assert time.monotonic() - t0 < 5
+    text = httpx.get(server.url + "/metrics").text
+    assert 'sits:request_success_total{finished_reason="abort",model_name="tiny"}' in text
+
+
+def test_non_streaming_client_that_leaves_frees_its_blocks(server):
+    _wait_idle(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=0.3,
+                   json={"model": "tiny", "prompt": "wait for me", "max_tokens": 200, "ignore_eos": True})
+    _wait_idle(server, timeout=5)
+
+
+def test_shutdown_tells_streams_why_they_end(serve_tiny):
+    srv = serve_tiny(ServerSettings(drain_grace_s=0.3))
+    events: list[str] = []
+    started = threading.Event()
+
+    def reader():
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=30,
+                          json={"model": "tiny", "prompt": "never ending", "max_tokens": 240, "stream": True,
+                                "ignore_eos": True}) as r:
+            for ln in r.iter_lines():
+                if ln.startswith("data: "):
+                    events.append(ln[6:])
+                    started.set()
+
+    t = threading.Thread(target=reader)
+    t.start()
+    assert started.wait(30)
+    srv.stop()
+    t.join(30)
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == "server_shutting_down"
+    assert len(events) > 3
