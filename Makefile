@@ -8,7 +8,7 @@ MODEL_PRESET ?= tiny
 MODEL_TRAIN_SECONDS ?= 120
 BENCH_MODEL_DIR ?= models/small
 
-.PHONY: install run test test-slow bench model clean
+.PHONY: install run generate test test-slow bench bench-serve model clean
 
 install: $(STAMP)
 
@@ -25,7 +25,14 @@ $(MODEL_DIR)/config.json: | $(STAMP)
 
 model: $(MODEL_DIR)/config.json
 
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+# starts the HTTP server with the default model; it prints curl and openai-client examples when ready
 run: install model
+	$(VENV)/bin/sits serve --model $(MODEL_DIR) --served-model-name default --host $(HOST) --port $(PORT)
+
+generate: install model
 	$(VENV)/bin/sits generate --model $(MODEL_DIR) --max-tokens 96 --temperature 0.8 --seed 1 \
 		"The Python language reference says that"
 
@@ -40,6 +47,9 @@ $(BENCH_MODEL_DIR)/config.json: | $(STAMP)
 
 bench: install $(BENCH_MODEL_DIR)/config.json
 	$(VENV)/bin/sits bench engine --model $(BENCH_MODEL_DIR) --json bench/out/engine.json --write-docs docs/benchmarks.md
+
+bench-serve: install $(BENCH_MODEL_DIR)/config.json
+	$(VENV)/bin/sits bench serve --model $(BENCH_MODEL_DIR) --json bench/out/serve.json --write-docs docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) models build *.egg-info .pytest_cache

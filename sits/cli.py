@@ -100,6 +100,24 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from sits.bench.serve_bench import run_serve_bench
+    server_args = []
+    if args.threads:
+        server_args += ["--threads", str(args.threads)]
+    if args.quick:
+        concurrency, repeats = [1, 8], args.repeats or 1
+    else:
+        concurrency, repeats = [int(c) for c in args.concurrency.split(",")], args.repeats or 3
+    result = run_serve_bench(url=args.url, model_dir=args.model, model=args.served_model, concurrency=concurrency,
+                             num_requests=args.requests, prompt_words=args.prompt_words, max_tokens=args.max_tokens,
+                             chat=not args.completions, repeats=repeats, json_out=args.json,
+                             docs_out=args.write_docs, server_args=server_args)
+    print(json.dumps([{k: (round(v, 2) if isinstance(v, float) else v) for k, v in lv.items()}
+                      for lv in result["levels"]], indent=2))
+    return 1 if any(lv["errors"] for lv in result["levels"]) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sits", description="SITS: a serverless runtime for LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -152,6 +170,22 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--threads", type=int, default=None)
     be.add_argument("--repeats", type=int, default=None, help="runs per figure, median reported (default 3; 1 with --quick)")
     be.set_defaults(func=cmd_bench_engine)
+    bs = bench.add_parser("serve", help="concurrent streaming clients over HTTP; TTFT/ITL/e2e and server overhead")
+    where = bs.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="a running server (e.g. http://127.0.0.1:8000)")
+    where.add_argument("--model", help="model directory: start `sits serve` on it for the run")
+    bs.add_argument("--served-model", default=None, help="model name to request (default: the first served)")
+    bs.add_argument("--concurrency", default="1,4,16,64", help="comma-separated stream counts")
+    bs.add_argument("--requests", type=int, default=None, help="requests per level (default max(16, 2*C))")
+    bs.add_argument("--prompt-words", type=int, default=48)
+    bs.add_argument("--max-tokens", type=int, default=32)
+    bs.add_argument("--completions", action="store_true", help="use /v1/completions instead of chat")
+    bs.add_argument("--repeats", type=int, default=None, help="runs per level, median reported (default 3)")
+    bs.add_argument("--threads", type=int, default=None, help="server CPU threads (with --model)")
+    bs.add_argument("--quick", action="store_true", help="levels 1 and 8, one run (smoke)")
+    bs.add_argument("--json", default=None)
+    bs.add_argument("--write-docs", default=None)
+    bs.set_defaults(func=cmd_bench_serve)
     return parser
 
 

@@ -90,7 +90,12 @@ print(c.chat.completions.create(model='{name}', messages=[{{'role': 'user', 'con
 
 
 def serve(engine_cfg: EngineConfig, settings: ServerSettings, *, host: str = "127.0.0.1", port: int = 8000,
-          served_name: str | None = None, log_level: str = "info") -> int:
+          served_name: str | None = None, log_level: str = "info", switch_interval_s: float = 0.0005) -> int:
+    # The engine's step thread and the event loop share the GIL. CPython makes a thread that wants
+    # the GIL wait up to the switch interval (5 ms by default) while the other runs Python code, so
+    # every token event would reach its client up to 5 ms late; 0.5 ms bounds that wait (measured
+    # with `sits bench serve`, see docs/benchmarks.md).
+    sys.setswitchinterval(switch_interval_s)
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     shown_key = settings.api_keys[0] if settings.api_keys else None

@@ -62,28 +62,29 @@ class ClientDisconnected(Exception):
 
 
 async def until_disconnect(request: Request, aw: Awaitable[T]) -> T:
-    """Await ``aw``; if the client disconnects first, cancel it and raise ClientDisconnected."""
-    work = asyncio.ensure_future(aw)
+    """Await ``aw`` in this task; if the client disconnects first, cancel it and raise ClientDisconnected.
+
+    The watcher is a side task that cancels this one, so the awaited result reaches the caller with no
+    extra task hop (each hop is an event-loop turn, and a turn can wait on the engine thread's GIL).
+    """
+    me = asyncio.current_task()
+    gone = False
 
     async def watch() -> None:
+        nonlocal gone
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
+                gone = True
+                me.cancel()
                 return
 
-    watcher = asyncio.ensure_future(watch())
+    watcher = asyncio.get_running_loop().create_task(watch())
     try:
-        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        work.cancel()
-        watcher.cancel()
+        return await aw
+    except asyncio.CancelledError:
+        if gone:
+            raise ClientDisconnected() from None
         raise
-    if work in done:
+    finally:
         watcher.cancel()
-        return work.result()
-    work.cancel()
-    try:
-        await work
-    except BaseException:
-        pass
-    raise ClientDisconnected()

@@ -22,25 +22,15 @@ from pathlib import Path
 
 import torch
 
+from sits.bench.common import log as _log
+from sits.bench.common import pct as _pct
+from sits.bench.common import write_docs
 from sits.engine.config import EngineConfig
 from sits.engine.llm_engine import LLMEngine
 from sits.engine.sampling_params import SamplingParams
 
 DOC_BEGIN = "<!-- sits bench engine: begin -->"
 DOC_END = "<!-- sits bench engine: end -->"
-
-
-def _log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 @dataclass(slots=True)
@@ -285,16 +275,6 @@ def _markdown(result: dict, command: str, plot: str | None) -> str:
     return "\n".join(lines)
 
 
-def write_docs(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nEvery figure is a ratio against a baseline measured in the same run.\n\n"
-    if DOC_BEGIN in text and DOC_END in text:
-        head, rest = text.split(DOC_BEGIN, 1)
-        text = head + section + rest.split(DOC_END, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    path.write_text(text)
-
-
 def run_engine_bench(model: str, json_out: str | None = None, docs_out: str | None = None, quick: bool = False,
                      only: list[str] | None = None, threads: int | None = None, repeats: int | None = None) -> dict:
     from sits.engine.config import ModelConfig
@@ -333,5 +313,5 @@ def run_engine_bench(model: str, json_out: str | None = None, docs_out: str | No
         docs = Path(docs_out)
         plot_path = docs.parent / "img" / "engine_bench.png"
         _plot(result, plot_path)
-        write_docs(docs, _markdown(result, command, os.path.relpath(plot_path, docs.parent)))
+        write_docs(docs, _markdown(result, command, os.path.relpath(plot_path, docs.parent)), DOC_BEGIN, DOC_END)
     return result

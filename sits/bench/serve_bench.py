@@ -1,0 +1,277 @@
+"""``sits bench serve``: concurrent streaming clients against a live server, and the server's overhead.
+
+Each client streams ``/v1/chat/completions`` (or ``/v1/completions``) with ``X-SITS-Stream-Meta: 1``,
+so every response reports the engine's own TTFT for that very request (``engine_ttft_us`` on the
+first token chunk). The baseline is therefore measured in the same run, request by request:
+HTTP overhead = TTFT seen by the client - TTFT inside the engine (validation, tokenization, HTTP
+parsing, SSE framing and the loopback network). Closed loop: C clients each send their next request
+as soon as the previous one ends. Prompts are seeded random words, distinct per request, so the
+prefix cache does not flatter the numbers.
+
+``--url`` benchmarks a running server; ``--model DIR`` starts ``sits serve`` in a child process on
+a free port (a separate process, so the client never shares the server's GIL) and stops it after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from sits.bench.common import log, pct, write_docs
+
+DOC_BEGIN = "<!-- sits bench serve: begin -->"
+DOC_END = "<!-- sits bench serve: end -->"
+
+_WORDS = ("time river light house music window garden story paper market winter engine "
+          "mountain letter silver morning people question answer number system water city "
+          "language machine world family evening forest camera bridge school dinner planet").split()
+
+
+@dataclass(slots=True)
+class RequestResult:
+    ok: bool
+    ttft_s: float = 0.0               # client: request sent -> first token chunk received
+    engine_ttft_s: float = 0.0        # engine: arrival -> first token (from the stream metadata)
+    e2e_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    error: str | None = None
+
+
+def make_prompt(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
+                      chat: bool) -> RequestResult:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    res = RequestResult(ok=False)
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", url + path, json=body, headers={"x-sits-stream-meta": "1"}) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    break
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = chunk["error"].get("code")
+                    return res
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                meta = chunk.get("sits") or {}
+                if meta.get("stage") in ("prefill", "decode"):
+                    now = time.perf_counter()
+                    if last is None:
+                        res.ttft_s = now - t0
+                        res.engine_ttft_s = meta.get("engine_ttft_us", 0) / 1e6
+                    else:
+                        res.itl_s.append(now - last)
+                    last = now
+        res.e2e_s = time.perf_counter() - t0
+        res.ok = last is not None
+    except httpx.HTTPError as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def run_level(url: str, model: str, concurrency: int, num_requests: int, prompt_words: int,
+                    max_tokens: int, chat: bool, seed: int) -> dict:
+    rng = random.Random(seed)
+    prompts = [make_prompt(rng, prompt_words) for _ in range(num_requests)]
+    results: list[RequestResult] = []
+    next_i = 0
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
+        async def worker():
+            nonlocal next_i
+            while next_i < num_requests:
+                i = next_i
+                next_i += 1
+                results.append(await one_request(client, url, model, prompts[i], max_tokens, chat))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*[worker() for _ in range(concurrency)])
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft_s for r in ok]
+    eng = [r.engine_ttft_s for r in ok]
+    over = [r.ttft_s - r.engine_ttft_s for r in ok]
+    itl = [x for r in ok for x in r.itl_s]
+    e2e = [r.e2e_s for r in ok]
+    return {
+        "concurrency": concurrency, "requests": len(results), "errors": len(results) - len(ok),
+        "error_samples": [r.error for r in results if not r.ok][:3],
+        "ttft_p50_ms": pct(ttft, 0.5) * 1e3, "ttft_p99_ms": pct(ttft, 0.99) * 1e3,
+        "engine_ttft_p50_ms": pct(eng, 0.5) * 1e3, "engine_ttft_p99_ms": pct(eng, 0.99) * 1e3,
+        "overhead_p50_ms": pct(over, 0.5) * 1e3, "overhead_p99_ms": pct(over, 0.99) * 1e3,
+        "itl_p50_ms": pct(itl, 0.5) * 1e3, "itl_p99_ms": pct(itl, 0.99) * 1e3,
+        "e2e_p50_ms": pct(e2e, 0.5) * 1e3, "e2e_p99_ms": pct(e2e, 0.99) * 1e3,
+        "throughput_tok_s": sum(r.output_tokens for r in ok) / wall if wall else 0.0,
+        "prompt_tokens_mean": statistics.fmean([r.prompt_tokens for r in ok]) if ok else 0.0,
+        "wall_s": wall,
+    }
+
+
+def _median_runs(runs: list[dict]) -> dict:
+    out = dict(runs[0])
+    for k, v in runs[0].items():
+        if isinstance(v, float):
+            out[k] = statistics.median(r[k] for r in runs)
+    out["errors"] = sum(r["errors"] for r in runs)
+    out["requests"] = sum(r["requests"] for r in runs)
+    out["runs"] = len(runs)
+    return out
+
+
+# -- a server of our own ------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: str, extra_args: list[str], timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "sits.cli", "serve", "--model", model_dir, "--port", str(port),
+           "--log-level", "warning", *extra_args]
+    log(f"starting: {' '.join(cmd)}")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"sits serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"sits serve not ready after {timeout_s} s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+# -- report -----------------------------------------------------------------------------------------
+def _plot(levels: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cs = [lv["concurrency"] for lv in levels]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot(cs, [lv["ttft_p50_ms"] for lv in levels], "o-", label="TTFT via HTTP (p50)")
+    a.plot(cs, [lv["engine_ttft_p50_ms"] for lv in levels], "s--", label="TTFT in the engine (p50)")
+    a.plot(cs, [lv["ttft_p99_ms"] for lv in levels], "o:", label="TTFT via HTTP (p99)")
+    a.set_xscale("log", base=2)
+    a.set_xlabel("concurrent streams")
+    a.set_ylabel("ms")
+    a.set_title("time to first token")
+    a.legend()
+    b.bar([str(c) for c in cs], [lv["overhead_p50_ms"] for lv in levels], label="p50")
+    b.axhline(2.0, color="red", linestyle="--", label="target p50 ≤ 2 ms")
+    b.set_xlabel("concurrent streams")
+    b.set_ylabel("ms")
+    b.set_title("server overhead: HTTP TTFT − engine TTFT")
+    b.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _markdown(result: dict, command: str, plot: str | None) -> str:
+    lines = [DOC_BEGIN, "## Serving over HTTP (`sits bench serve`)", "", f"Command: `{command}`  ",
+             f"Host: {result['host']}; model `{result['model']}`; {result['endpoint']}, prompts of "
+             f"{result['prompt_words']} words (≈{result['levels'][0]['prompt_tokens_mean']:.0f} tokens), "
+             f"{result['max_tokens']} output tokens, greedy; medians of {result['repeats']} run(s) per level. "
+             "The baseline is the engine's own TTFT for the same requests (stream metadata).", "",
+             "| streams | requests | errors | TTFT p50 ms | TTFT p99 ms | engine TTFT p50 ms | overhead p50 ms | "
+             "overhead p99 ms | HTTP/engine TTFT | ITL p50 ms | ITL p99 ms | e2e p50 ms | e2e p99 ms | tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for lv in result["levels"]:
+        ratio = lv["ttft_p50_ms"] / lv["engine_ttft_p50_ms"] if lv["engine_ttft_p50_ms"] else float("nan")
+        lines.append(f"| {lv['concurrency']} | {lv['requests']} | {lv['errors']} | {lv['ttft_p50_ms']:.1f} | "
+                     f"{lv['ttft_p99_ms']:.1f} | {lv['engine_ttft_p50_ms']:.1f} | {lv['overhead_p50_ms']:.2f} | "
+                     f"{lv['overhead_p99_ms']:.2f} | {ratio:.2f} | {lv['itl_p50_ms']:.1f} | {lv['itl_p99_ms']:.1f} | "
+                     f"{lv['e2e_p50_ms']:.0f} | {lv['e2e_p99_ms']:.0f} | {lv['throughput_tok_s']:.0f} |")
+    lines += ["", "Target: overhead ≤ 2 ms at p50.", ""]
+    if plot:
+        lines += [f"![serve benchmark]({plot})", ""]
+    lines.append(DOC_END)
+    return "\n".join(lines)
+
+
+def run_serve_bench(*, url: str | None, model_dir: str | None, model: str | None, concurrency: list[int],
+                    num_requests: int | None, prompt_words: int, max_tokens: int, chat: bool, repeats: int,
+                    json_out: str | None, docs_out: str | None, server_args: list[str] | None = None) -> dict:
+    proc = None
+    if url is None:
+        if model_dir is None:
+            raise ValueError("give --url of a running server or --model DIR to start one")
+        proc, url = start_server(model_dir, server_args or [])
+    try:
+        models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
+        name = model or models[0]["id"]
+        log(f"warming up {url} ({name})")
+        asyncio.run(run_level(url, name, 2, 4, prompt_words, 4, chat, seed=999))
+        levels = []
+        for c in concurrency:
+            n = num_requests or max(16, 2 * c)
+            runs = []
+            for r in range(repeats):
+                lv = asyncio.run(run_level(url, name, c, n, prompt_words, max_tokens, chat, seed=c * 100 + r))
+                log(f"{c} streams, run {r + 1}/{repeats}: ttft p50 {lv['ttft_p50_ms']:.1f} ms "
+                    f"(engine {lv['engine_ttft_p50_ms']:.1f}), overhead p50 {lv['overhead_p50_ms']:.2f} ms, "
+                    f"itl p50 {lv['itl_p50_ms']:.1f} ms, {lv['throughput_tok_s']:.0f} tok/s, errors {lv['errors']}")
+                runs.append(lv)
+            levels.append(_median_runs(runs))
+    finally:
+        if proc is not None:
+            stop_server(proc)
+    result = {"url": url, "model": model_dir or name, "endpoint": "/v1/chat/completions" if chat else "/v1/completions",
+              "prompt_words": prompt_words, "max_tokens": max_tokens, "repeats": repeats, "levels": levels,
+              "host": f"{os.cpu_count()} CPU cores (client and server on the same host)"}
+    command = "sits bench serve " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "serve"] else "sits bench serve"
+    if json_out:
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_out).write_text(json.dumps(result, indent=2))
+    if docs_out:
+        docs = Path(docs_out)
+        plot_path = docs.parent / "img" / "serve_bench.png"
+        _plot(levels, plot_path)
+        write_docs(docs, _markdown(result, command, os.path.relpath(plot_path, docs.parent)), DOC_BEGIN, DOC_END)
+    return result
