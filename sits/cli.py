@@ -89,7 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_model_len:
         cfg.max_model_len = args.max_model_len
     return serve(cfg, settings, host=args.host, port=args.port, served_name=args.served_model_name,
-                 log_level=args.log_level)
+                 log_level=args.log_level, engine_mode=args.engine)
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
@@ -102,7 +102,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from sits.bench.serve_bench import run_serve_bench
-    server_args = []
+    server_args = ["--engine", args.engine]
     if args.threads:
         server_args += ["--threads", str(args.threads)]
     if args.quick:
@@ -158,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--drain-grace-s", type=float, default=10.0,
                      help="on shutdown, in-flight streams get this long to finish")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    srv.add_argument("--engine", default="process", choices=["process", "thread"],
+                     help="run the engine in its own process (default) or in a thread of the server")
     srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
@@ -182,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--completions", action="store_true", help="use /v1/completions instead of chat")
     bs.add_argument("--repeats", type=int, default=None, help="runs per level, median reported (default 3)")
     bs.add_argument("--threads", type=int, default=None, help="server CPU threads (with --model)")
+    bs.add_argument("--engine", default="process", choices=["process", "thread"], help="server engine mode (with --model)")
     bs.add_argument("--quick", action="store_true", help="levels 1 and 8, one run (smoke)")
     bs.add_argument("--json", default=None)
     bs.add_argument("--write-docs", default=None)

@@ -102,13 +102,14 @@ def serve_tiny(tiny_model_dir):
 
     started: list[RunningServer] = []
 
-    def start(settings: ServerSettings | None = None, **engine_kw) -> RunningServer:
+    def start(settings: ServerSettings | None = None, engine_mode: str = "process", **engine_kw) -> RunningServer:
         engine_kw.setdefault("device", "cpu")
         engine_kw.setdefault("warmup", False)
         engine_kw.setdefault("kv_cache_memory_mb", 32)
         engine_kw.setdefault("max_model_len", 256)
         settings = settings or ServerSettings(drain_grace_s=2.0, webhook_backoff_s=0.05)
-        app = build_app(EngineConfig(model=tiny_model_dir, **engine_kw), settings, served_name="tiny")
+        app = build_app(EngineConfig(model=tiny_model_dir, **engine_kw), settings, served_name="tiny",
+                        engine_mode=engine_mode)
         srv = start_server(app, server_cls=DrainingServer, app=app, grace_s=settings.drain_grace_s)
         started.append(srv)
         return srv

@@ -114,3 +114,38 @@ def test_shutdown_tells_streams_why_they_end(serve_tiny):
     err = json.loads(events[-2])["error"]
     assert err["code"] == "server_shutting_down"
     assert len(events) > 3
+
+
+def test_a_dead_instance_ends_its_streams_with_a_reason(serve_tiny):
+    """SIGKILL the engine process mid-stream: the stream ends with an error chunk, /health says 503."""
+    import os
+    import signal
+    srv = serve_tiny(ServerSettings(drain_grace_s=0.3))
+    backend = _backend(srv)
+    events: list[str] = []
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=30,
+                      json={"model": "tiny", "prompt": "doomed", "max_tokens": 240, "stream": True,
+                            "ignore_eos": True}) as r:
+        for ln in r.iter_lines():
+            if ln.startswith("data: "):
+                events.append(ln[6:])
+                if len(events) == 3:
+                    os.kill(backend.pid, signal.SIGKILL)
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "engine_dead"
+    assert httpx.get(srv.url + "/health").status_code == 503
+    r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert r.status_code >= 500 and r.json()["error"]["code"] == "engine_dead"
+
+
+def test_the_instance_ignores_a_terminal_ctrl_c(serve_tiny):
+    """SIGINT reaches the whole process group on Ctrl-C; the engine must outlive it so the server can drain."""
+    import os
+    import signal
+    srv = serve_tiny(ServerSettings(drain_grace_s=0.3))
+    backend = _backend(srv)
+    os.kill(backend.pid, signal.SIGINT)
+    time.sleep(0.3)
+    assert backend.proc.poll() is None
+    r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 200

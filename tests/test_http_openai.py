@@ -10,9 +10,10 @@ import openai
 import pytest
 
 
-@pytest.fixture(scope="module")
-def server(serve_tiny):
-    return serve_tiny()
+@pytest.fixture(scope="module", params=["process", "thread"])
+def server(serve_tiny, request):
+    """Every test runs against both engine modes of `sits serve`."""
+    return serve_tiny(engine_mode=request.param)
 
 
 @pytest.fixture(scope="module")

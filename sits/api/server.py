@@ -21,7 +21,9 @@ from sits.api.app import create_app, drain
 from sits.api.backend import BackendRegistry, EngineBackend
 from sits.api.context import ServerSettings
 from sits.engine.async_engine import AsyncEngine
+from sits.engine.cold_start import ColdStartReport
 from sits.engine.config import EngineConfig
+from sits.runtime.instance_client import InstanceBackend
 
 log = logging.getLogger("sits.serve")
 
@@ -39,30 +41,44 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+ENGINE_MODES = ("process", "thread")
+
+
 def build_app(engine_cfg: EngineConfig, settings: ServerSettings, served_name: str | None = None,
-              on_ready=None, on_fail=None) -> FastAPI:
+              on_ready=None, on_fail=None, engine_mode: str = "process") -> FastAPI:
+    """``engine_mode="process"`` (default) runs the engine in an instance process: the HTTP event loop
+    and the engine's step loop then never wait on each other's GIL. ``"thread"`` keeps it in-process."""
+    if engine_mode not in ENGINE_MODES:
+        raise ValueError(f"engine_mode must be one of {ENGINE_MODES}, got {engine_mode!r}")
     name = served_name or os.path.basename(os.path.normpath(engine_cfg.model))
     registry = BackendRegistry(loading=[name])
-    engines: list[AsyncEngine] = []
+    stoppers: list = []
 
     async def load(app: FastAPI) -> None:
         try:
-            engine = await AsyncEngine.start(engine_cfg)
+            if engine_mode == "process":
+                backend = await InstanceBackend.spawn(engine_cfg, name)
+                stoppers.append(backend.shutdown)
+                report = ColdStartReport.from_dict(backend.cold_start)
+            else:
+                engine = await AsyncEngine.start(engine_cfg)
+                stoppers.append(engine.shutdown)
+                backend = EngineBackend(engine, name=name)
+                report = engine.engine.report
         except Exception:
             log.exception("loading %s failed", engine_cfg.model)
             registry.loading.discard(name)
             if on_fail is not None:
                 on_fail()
             raise
-        engines.append(engine)
-        registry.add(EngineBackend(engine, name=name))
-        log.info("cold start of %s:\n%s", name, engine.engine.report.format())
+        registry.add(backend)
+        log.info("cold start of %s (%s):\n%s", name, engine_mode, report.format())
         if on_ready is not None:
-            on_ready(name, engine)
+            on_ready(name)
 
     async def stop(app: FastAPI) -> None:
-        for e in engines:
-            await e.shutdown()
+        for fn in stoppers:
+            await fn()
 
     return create_app(registry, settings, on_startup=[load], on_shutdown=[stop])
 
@@ -90,7 +106,8 @@ print(c.chat.completions.create(model='{name}', messages=[{{'role': 'user', 'con
 
 
 def serve(engine_cfg: EngineConfig, settings: ServerSettings, *, host: str = "127.0.0.1", port: int = 8000,
-          served_name: str | None = None, log_level: str = "info", switch_interval_s: float = 0.0005) -> int:
+          served_name: str | None = None, log_level: str = "info", switch_interval_s: float = 0.0005,
+          engine_mode: str = "process") -> int:
     # The engine's step thread and the event loop share the GIL. CPython makes a thread that wants
     # the GIL wait up to the switch interval (5 ms by default) while the other runs Python code, so
     # every token event would reach its client up to 5 ms late; 0.5 ms bounds that wait (measured
@@ -100,7 +117,7 @@ def serve(engine_cfg: EngineConfig, settings: ServerSettings, *, host: str = "12
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     shown_key = settings.api_keys[0] if settings.api_keys else None
 
-    def on_ready(name: str, engine: AsyncEngine) -> None:
+    def on_ready(name: str) -> None:
         print(usage_banner(name, host, port, shown_key), file=sys.stderr, flush=True)
 
     failed = False
@@ -112,7 +129,7 @@ def serve(engine_cfg: EngineConfig, settings: ServerSettings, *, host: str = "12
         if server is not None:
             server.should_exit = True
 
-    app = build_app(engine_cfg, settings, served_name, on_ready, on_fail)
+    app = build_app(engine_cfg, settings, served_name, on_ready, on_fail, engine_mode)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             timeout_keep_alive=30, access_log=False)
     server = DrainingServer(config, app, settings.drain_grace_s)

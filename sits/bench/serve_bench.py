@@ -55,8 +55,63 @@ def make_prompt(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(words))
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
-                      chat: bool) -> RequestResult:
+class StreamClient:
+    """A lean HTTP/1.1 streaming client on one keep-alive connection (asyncio streams, no framework).
+
+    The benchmark measures the server, so the client must add as little as it can: it reads the
+    chunked SSE body as bytes and parses JSON only where it needs numbers (the first token chunk's
+    metadata and the usage chunk).
+    """
+
+    def __init__(self, url: str):
+        u = httpx.URL(url)
+        self.host, self.port = u.host, u.port or 80
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def _connect(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+    async def post_stream(self, path: str, body: bytes):
+        """Yield (arrival time, event bytes) for each SSE event of the response; raise on non-200."""
+        if self.writer is None or self.writer.is_closing():
+            await self._connect()
+        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nX-SITS-Stream-Meta: 1\r\nAccept: text/event-stream\r\n\r\n")
+        self.writer.write(head.encode() + body)
+        r = self.reader
+        status = await r.readline()
+        headers = {}
+        while (line := await r.readline()) not in (b"\r\n", b""):
+            k, _, v = line.decode("latin-1").partition(":")
+            headers[k.strip().lower()] = v.strip()
+        code = int(status.split()[1])
+        if headers.get("transfer-encoding") != "chunked":
+            data = await r.readexactly(int(headers.get("content-length", "0")))
+            if code != 200:
+                raise RuntimeError(f"HTTP {code}: {data[:200]!r}")
+            return
+        buf = b""
+        while True:
+            size = int((await r.readline()).strip(), 16)
+            if size == 0:
+                await r.readline()
+                break
+            buf += await r.readexactly(size)
+            await r.readexactly(2)
+            now = time.perf_counter()
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                yield now, event
+        if headers.get("connection") == "close":
+            await self.close()
+
+
+async def one_request(client: StreamClient, model: str, prompt: str, max_tokens: int, chat: bool) -> RequestResult:
     path = "/v1/chat/completions" if chat else "/v1/completions"
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
@@ -65,38 +120,34 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
     else:
         body["prompt"] = prompt
     res = RequestResult(ok=False)
+    payload = json.dumps(body).encode()
     t0 = time.perf_counter()
     last = None
     try:
-        async with client.stream("POST", url + path, json=body, headers={"x-sits-stream-meta": "1"}) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+        async for now, event in client.post_stream(path, payload):
+            if event == b"data: [DONE]":
+                continue          # read on to the end of the chunked body: the connection is reused
+            if b'"stage":"prefill"' in event or b'"stage":"decode"' in event:
+                if last is None:
+                    res.ttft_s = now - t0
+                    meta = json.loads(event[6:])["sits"]
+                    res.engine_ttft_s = meta.get("engine_ttft_us", 0) / 1e6
+                else:
+                    res.itl_s.append(now - last)
+                last = now
+            elif b'"usage"' in event:
+                usage = json.loads(event[6:]).get("usage") or {}
+                res.output_tokens = usage.get("completion_tokens", 0)
+                res.prompt_tokens = usage.get("prompt_tokens", 0)
+            elif event.startswith(b'data: {"error"'):
+                res.error = json.loads(event[6:])["error"].get("code")
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    break
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    res.error = chunk["error"].get("code")
-                    return res
-                if chunk.get("usage"):
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
-                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                meta = chunk.get("sits") or {}
-                if meta.get("stage") in ("prefill", "decode"):
-                    now = time.perf_counter()
-                    if last is None:
-                        res.ttft_s = now - t0
-                        res.engine_ttft_s = meta.get("engine_ttft_us", 0) / 1e6
-                    else:
-                        res.itl_s.append(now - last)
-                    last = now
         res.e2e_s = time.perf_counter() - t0
         res.ok = last is not None
-    except httpx.HTTPError as e:
+    except (OSError, RuntimeError, ValueError, asyncio.IncompleteReadError) as e:
         res.error = f"{type(e).__name__}: {e}"
+        await client.close()
+        client.writer = None
     return res
 
 
@@ -106,18 +157,20 @@ async def run_level(url: str, model: str, concurrency: int, num_requests: int, p
     prompts = [make_prompt(rng, prompt_words) for _ in range(num_requests)]
     results: list[RequestResult] = []
     next_i = 0
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
-        async def worker():
-            nonlocal next_i
+    async def worker():
+        nonlocal next_i
+        client = StreamClient(url)
+        try:
             while next_i < num_requests:
                 i = next_i
                 next_i += 1
-                results.append(await one_request(client, url, model, prompts[i], max_tokens, chat))
+                results.append(await one_request(client, model, prompts[i], max_tokens, chat))
+        finally:
+            await client.close()
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*[worker() for _ in range(concurrency)])
-        wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    await asyncio.gather(*[worker() for _ in range(concurrency)])
+    wall = time.perf_counter() - t0
     ok = [r for r in results if r.ok]
     ttft = [r.ttft_s for r in ok]
     eng = [r.engine_ttft_s for r in ok]

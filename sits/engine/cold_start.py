@@ -56,6 +56,11 @@ class ColdStartReport:
     def to_dict(self) -> dict:
         return {"phases_ms": {k: round(v, 2) for k, v in self.phases_ms.items()}, "total_ms": round(self.total_ms, 2)}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "ColdStartReport":
+        """The inverse of ``to_dict`` (a report that crossed a process boundary)."""
+        return cls(phases_ms=dict(d.get("phases_ms") or {}))
+
     def format(self) -> str:
         width = max(len(k) for k in self.phases_ms) if self.phases_ms else 5
         lines = [f"  {k:<{width}}  {v:9.1f} ms" for k, v in self.phases_ms.items()]

@@ -17,10 +17,11 @@ from sits.engine.block_pool import BlockPool
 from sits.engine.cold_start import ColdStartReport, process_age_s
 from sits.engine.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from sits.engine.detokenizer import IncrementalDetokenizer
-from sits.engine.errors import ContextLengthExceededError, InvalidRequestError
+from sits.engine.errors import InvalidRequestError
 from sits.engine.kv_cache import KVCache, bytes_per_block
 from sits.engine.loader import load_model
 from sits.engine.model_runner import ModelRunner
+from sits.engine.request_validator import RequestValidator
 from sits.engine.sampler import Sampler
 from sits.engine.sampling_params import SamplingParams
 from sits.engine.scheduler import ScheduledBatch, Scheduler
@@ -105,6 +106,9 @@ class LLMEngine:
             num_blocks = cfg.num_kv_blocks or max(1, cfg.kv_cache_memory_mb * 2**20 // per_block)
             self.kv_cache = KVCache(self.model_config, num_blocks, cfg.block_size, self.device, self.dtype)
             self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.validator = RequestValidator(self.tokenizer, vocab_size=self.model_config.vocab_size,
+                                          max_model_len=self.max_model_len, block_size=cfg.block_size,
+                                          num_kv_blocks=num_blocks)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.scheduler = Scheduler(cfg, self.pool, self.max_model_len)
         self.sampler = Sampler(default_seed=cfg.seed)
@@ -123,30 +127,7 @@ class LLMEngine:
                       request_id: str | None = None, priority: int = 0, interactive: bool = True) -> Sequence:
         """Validate and tokenize a request (no engine state touched: safe from any thread)."""
         params = params or SamplingParams()
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty", param="prompt", code="empty_prompt")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})",
-                                          param="prompt", code="invalid_token_id")
-        if not ids:
-            raise InvalidRequestError("prompt is empty", param="prompt", code="empty_prompt")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ContextLengthExceededError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(ids)} and max_tokens asks for {params.max_tokens}: shorten the prompt or lower max_tokens",
-                param="max_tokens" if len(ids) < self.max_model_len else "prompt")
-        if self.pool.blocks_needed(len(ids) + params.max_tokens) > self.pool.num_blocks:
-            raise InvalidRequestError(
-                f"prompt + max_tokens ({len(ids) + params.max_tokens} tokens) exceeds the whole KV pool "
-                f"({self.pool.num_blocks * self.pool.block_size} tokens)", param="max_tokens",
-                code="kv_capacity_exceeded")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise InvalidRequestError("priority must be an integer", param="priority", code="invalid_parameter")
+        ids = self.validator.prompt_ids(prompt, params, priority)
         seq = Sequence(request_id or f"req-{next(self._ids)}", ids, params, priority=priority,
                        interactive=interactive)
         if params.seed is not None:

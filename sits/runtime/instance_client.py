@@ -1,0 +1,198 @@
+"""The front end's side of an instance process: the same Backend API as an in-process engine.
+
+``InstanceBackend.spawn`` starts ``sits.runtime.instance_worker`` on a private Unix socket and follows
+its cold start. Requests are validated and tokenized here, in the front end's process, with the
+engine's own rules (``RequestValidator``); only token ids cross the socket. One reader task
+dispatches each step's events to per-request queues. If the process dies, every open stream gets
+``EngineDeadError`` at once and ``ready`` turns false.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+
+from sits.engine.config import EngineConfig
+from sits.engine.errors import DuplicateRequestError, EngineDeadError, ModelLoadError, RequestAbortedError, SitsError
+from sits.engine.llm_engine import EngineStats, TokenEvent
+from sits.engine.request_validator import RequestValidator
+from sits.engine.sampling_params import SamplingParams
+from sits.engine.sequence import Sequence
+from sits.engine.tokenizer import Tokenizer
+from sits.runtime.wire import encode, read_frame
+
+
+def _remote_error(code: str, message: str, param: str | None, status: int) -> SitsError:
+    err = SitsError(message, param=param, code=code)
+    err.http_status = status
+    return err
+
+
+class InstanceBackend:
+    def __init__(self, name: str, cfg: EngineConfig, proc: subprocess.Popen, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter, info: dict, tokenizer: Tokenizer, sock_dir: str):
+        self.name = name
+        self.cfg = cfg
+        self.root = str(cfg.model)
+        self.created = int(time.time())
+        self.proc = proc
+        self.pid = info["pid"]
+        self.max_model_len = info["max_model_len"]
+        self.tokenizer = tokenizer
+        self.validator = RequestValidator(tokenizer, vocab_size=info["vocab_size"], max_model_len=self.max_model_len,
+                                          block_size=info["block_size"], num_kv_blocks=info["num_kv_blocks"])
+        self.kv_capacity_tokens = self.validator.kv_capacity_tokens
+        self.cold_start = info["cold_start"]
+        self._reader, self._writer = reader, writer
+        self._sock_dir = sock_dir
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._stats: EngineStats | None = None
+        self._dead: str | None = None
+        self._closing = False
+        self._reader_task = asyncio.get_running_loop().create_task(self._read_loop(), name=f"instance-{name}")
+
+    # -- start ----------------------------------------------------------------------------------------
+    @classmethod
+    async def spawn(cls, cfg: EngineConfig, name: str | None = None, *, start_timeout_s: float = 600.0,
+                    stderr=None) -> "InstanceBackend":
+        """Start an instance process for ``cfg`` and return once its engine is loaded and warm."""
+        name = name or os.path.basename(os.path.normpath(str(cfg.model)))
+        sock_dir = tempfile.mkdtemp(prefix="sits-instance-")
+        path = os.path.join(sock_dir, "engine.sock")
+        proc = subprocess.Popen([sys.executable, "-m", "sits.runtime.instance_worker", "--socket", path,
+                                 "--config", json.dumps(asdict(cfg))], stdin=subprocess.DEVNULL, stderr=stderr)
+        try:
+            tokenizer_task = asyncio.create_task(asyncio.to_thread(Tokenizer.from_dir, cfg.model))
+            reader, writer = await asyncio.wait_for(cls._connect(path, proc), start_timeout_s)
+            hello = await read_frame(reader)
+            assert hello[0] == "hello", hello
+            msg = await asyncio.wait_for(read_frame(reader), start_timeout_s)
+            if msg[0] == "fatal":
+                raise ModelLoadError(f"instance for {cfg.model} failed to start: {msg[2]}", code=msg[1])
+            assert msg[0] == "ready", msg
+            tokenizer = await tokenizer_task
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            shutil.rmtree(sock_dir, ignore_errors=True)
+            raise
+        return cls(name, cfg, proc, reader, writer, msg[1], tokenizer, sock_dir)
+
+    @staticmethod
+    async def _connect(path: str, proc: subprocess.Popen):
+        while True:
+            if proc.poll() is not None:
+                raise ModelLoadError(f"instance process exited with {proc.returncode} before listening")
+            if os.path.exists(path):
+                try:
+                    return await asyncio.open_unix_connection(path)
+                except (ConnectionRefusedError, FileNotFoundError):
+                    pass
+            await asyncio.sleep(0.01)
+
+    # -- the Backend API ------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self._dead is None and not self._closing and self.proc.poll() is None
+
+    def prepare(self, prompt: str | list[int], params: SamplingParams, *, request_id: str, priority: int = 0,
+                interactive: bool = True) -> Sequence:
+        if self._dead is not None:
+            raise EngineDeadError(f"the instance of {self.name} is gone: {self._dead}")
+        ids = self.validator.prompt_ids(prompt, params, priority)
+        if request_id in self._streams:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        return Sequence(request_id, ids, params, priority=priority, interactive=interactive)
+
+    async def stream(self, seq: Sequence) -> AsyncIterator[TokenEvent]:
+        rid = seq.request_id
+        if rid in self._streams:
+            raise DuplicateRequestError(f"request id {rid!r} is already in use", param="request_id")
+        if self._dead is not None:
+            raise EngineDeadError(f"the instance of {self.name} is gone: {self._dead}")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = q
+        self._send(("add", rid, seq.prompt_token_ids, seq.params, seq.priority, seq.interactive, seq.arrival_time))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if self._streams.get(rid) is q:
+                del self._streams[rid]
+            if not finished:
+                self._send(("abort", rid))
+
+    def abort(self, request_id: str, error: SitsError | None = None) -> None:
+        self._send(("abort", request_id))
+        q = self._streams.pop(request_id, None)
+        if q is not None:
+            q.put_nowait(error or RequestAbortedError(f"request {request_id} was aborted"))
+
+    def stats(self) -> EngineStats:
+        if self._stats is not None:
+            return self._stats
+        n = self.validator.num_kv_blocks
+        return EngineStats(0, 0, 0.0, n, n, 0, 0, 0.0, 0, 0, self.cfg.policy, self.cold_start)
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._closing = True
+        self._send(("shutdown",))
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.proc.wait), timeout_s)
+        except TimeoutError:
+            self.proc.kill()
+            await asyncio.to_thread(self.proc.wait)
+        self._writer.close()
+        self._reader_task.cancel()
+        shutil.rmtree(self._sock_dir, ignore_errors=True)
+
+    # -- the socket -----------------------------------------------------------------------------------
+    def _send(self, msg: tuple) -> None:
+        if self._dead is None and not self._writer.is_closing():
+            self._writer.write(encode(msg))
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = await read_frame(self._reader)
+                kind = msg[0]
+                if kind == "events":
+                    for ev in msg[1]:
+                        q = self._streams.get(ev.request_id)
+                        if q is not None:
+                            q.put_nowait(ev)
+                    if msg[2] is not None:
+                        self._stats = msg[2]
+                elif kind == "stats":
+                    self._stats = msg[1]
+                elif kind == "error":
+                    _, rid, code, message, param, status = msg
+                    q = self._streams.get(rid)
+                    if q is not None:
+                        q.put_nowait(_remote_error(code, message, param, status))
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+            reason = "the instance process exited" if isinstance(e, asyncio.IncompleteReadError) else repr(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a protocol bug: fail loudly, the same way
+            reason = f"protocol error: {e!r}"
+        self._dead = reason
+        if not self._closing:
+            err = EngineDeadError(f"the instance of {self.name} died: {reason}")
+            for q in self._streams.values():
+                q.put_nowait(err)

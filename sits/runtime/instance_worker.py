@@ -1,0 +1,118 @@
+"""An instance: one engine in its own process, driven over a Unix socket.
+
+The process has one thread that does everything: read commands, step the engine, write the step's
+token events back as one frame. Nothing shares its GIL, so a step never waits for an HTTP event
+loop and a token never waits for a step. It listens before the model loads, so the front end can
+follow the cold start (``hello`` → ``ready`` with the ColdStartReport, or ``fatal``); it exits when
+told to or when the front end goes away (EOF). SIGINT is ignored: a Ctrl-C in the terminal reaches
+the whole process group, and the front end must drain its streams before this process ends.
+
+    python -m sits.runtime.instance_worker --socket PATH --config '{"model": "models/tiny", ...}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import time
+
+from sits.runtime.wire import FrameDecoder, send_blocking
+
+STATS_INTERVAL_S = 0.05    # while busy, engine stats ride along with events at most this often
+
+
+def serve_instance(cfg_dict: dict, sock_path: str) -> int:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sock_path)
+    os.chmod(sock_path, 0o600)
+    listener.listen(1)
+    conn, _ = listener.accept()
+    listener.close()
+    send_blocking(conn, ("hello", {"pid": os.getpid()}))
+
+    from sits.engine.config import EngineConfig
+    from sits.engine.errors import SitsError
+    from sits.engine.llm_engine import LLMEngine
+    try:
+        engine = LLMEngine(EngineConfig(**cfg_dict))
+    except SitsError as e:
+        send_blocking(conn, ("fatal", e.code, e.message))
+        return 2
+    except Exception as e:  # noqa: BLE001 - reported to the front end, then we exit
+        send_blocking(conn, ("fatal", "model_load_failed", f"{type(e).__name__}: {e}"))
+        return 2
+    pool = engine.pool
+    send_blocking(conn, ("ready", {
+        "max_model_len": engine.max_model_len, "vocab_size": engine.model_config.vocab_size,
+        "block_size": pool.block_size, "num_kv_blocks": pool.num_blocks,
+        "cold_start": engine.report.to_dict(), "pid": os.getpid()}))
+    return _loop(engine, conn)
+
+
+def _stats(engine):
+    return engine.stats()
+
+
+def _loop(engine, conn: socket.socket) -> int:
+    from sits.engine.errors import SitsError
+
+    decoder = FrameDecoder()
+    dirty = True
+    last_stats = 0.0
+    while True:
+        busy = engine.has_unfinished
+        readable, _, _ = select.select([conn], [], [], 0 if busy else (None if not dirty else 0))
+        if readable:
+            data = conn.recv(1 << 20)
+            if not data:
+                return 0                     # the front end is gone
+            for msg in decoder.feed(data):
+                kind = msg[0]
+                if kind == "add":
+                    _, rid, ids, params, priority, interactive, arrival = msg
+                    try:
+                        seq = engine.make_sequence(ids, params, request_id=rid, priority=priority,
+                                                   interactive=interactive)
+                        seq.arrival_time = arrival
+                        engine.enqueue(seq)
+                    except SitsError as e:
+                        send_blocking(conn, ("error", rid, e.code, e.message, e.param, e.http_status))
+                elif kind == "abort":
+                    engine.abort(msg[1])
+                elif kind == "shutdown":
+                    return 0
+                dirty = True
+        if engine.has_unfinished:
+            events = engine.step()
+            now = time.monotonic()
+            stats = None
+            if now - last_stats >= STATS_INTERVAL_S or not engine.has_unfinished:
+                stats, last_stats = _stats(engine), now
+            if events or stats is not None:
+                send_blocking(conn, ("events", events, stats))
+            dirty = True
+        elif dirty:
+            send_blocking(conn, ("stats", _stats(engine)))
+            last_stats = time.monotonic()
+            dirty = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--config", required=True, help="EngineConfig as JSON")
+    args = ap.parse_args(argv)
+    try:
+        return serve_instance(json.loads(args.config), args.socket)
+    except (BrokenPipeError, ConnectionResetError):
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
