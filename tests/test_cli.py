@@ -30,3 +30,60 @@ def test_generate_reports_typed_errors(tmp_path):
     assert r.returncode == 2
     assert "error [model_load_failed]" in r.stderr and "config.json" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_serve_starts_answers_and_stops_cleanly(tiny_model_dir):
+    """`sits serve` as `make run` starts it: live at once, ready after warm-up, prints how to call it,
+    answers the openai client, and shuts down cleanly on Ctrl-C (SIGINT)."""
+    import signal
+    import threading
+    import time
+
+    import httpx
+    import openai
+
+    from conftest import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "sits.cli", "serve", "--model", tiny_model_dir, "--port",
+                             str(port), "--served-model-name", "default", "--kv-cache-mb", "32",
+                             "--max-model-len", "256", "--log-level", "warning"],
+                            stderr=subprocess.PIPE, text=True)
+    stderr: list[str] = []
+    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        saw_loading = False
+        while True:
+            assert time.monotonic() < deadline, "".join(stderr)
+            assert proc.poll() is None, "".join(stderr)
+            try:
+                r = httpx.get(url + "/ready", timeout=2)
+            except httpx.HTTPError:
+                time.sleep(0.05)
+                continue
+            if r.status_code == 503:
+                saw_loading = True
+                assert r.json()["status"] == "loading"
+                c = httpx.post(url + "/v1/completions", json={"model": "default", "prompt": "x"})
+                assert c.status_code in (503, 200)
+                if c.status_code == 503:
+                    assert c.json()["error"]["code"] == "model_loading"
+            elif r.status_code == 200:
+                break
+            time.sleep(0.05)
+        assert saw_loading          # the engine loads behind a live server
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        out = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=5)
+        assert out.usage.completion_tokens >= 1
+        time.sleep(0.2)
+        banner = "".join(stderr)
+        assert f"http://127.0.0.1:{port}/v1/chat/completions" in banner and "OpenAI(base_url=" in banner
+        assert "cold start" in banner and "weights" in banner
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(60)
+    assert rc in (0, 130), "".join(stderr)     # 130: uvicorn re-raises SIGINT after its graceful shutdown
+    assert "Traceback" not in "".join(stderr)

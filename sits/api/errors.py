@@ -112,7 +112,7 @@ def _validation_error(exc: RequestValidationError) -> tuple[str, str, str | None
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SitsError)
     async def _sits_error(request: Request, exc: SitsError) -> JSONResponse:
-        if exc.http_status >= 500:
+        if exc.http_status >= 500 and exc.http_status != 503:   # 503s (loading, draining) are expected
             log.warning("%s %s -> %s %s: %s", request.method, request.url.path, exc.http_status, exc.code,
                         exc.message)
         return error_response(exc)

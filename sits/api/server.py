@@ -74,7 +74,7 @@ def build_app(engine_cfg: EngineConfig, settings: ServerSettings, served_name: s
         registry.add(backend)
         log.info("cold start of %s (%s):\n%s", name, engine_mode, report.format())
         if on_ready is not None:
-            on_ready(name)
+            on_ready(name, report)
 
     async def stop(app: FastAPI) -> None:
         for fn in stoppers:
@@ -117,7 +117,8 @@ def serve(engine_cfg: EngineConfig, settings: ServerSettings, *, host: str = "12
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     shown_key = settings.api_keys[0] if settings.api_keys else None
 
-    def on_ready(name: str) -> None:
+    def on_ready(name: str, report: ColdStartReport) -> None:
+        print(f"{name}: {report.format()}", file=sys.stderr)
         print(usage_banner(name, host, port, shown_key), file=sys.stderr, flush=True)
 
     failed = False
