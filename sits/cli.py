@@ -102,7 +102,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from sits.bench.serve_bench import run_serve_bench
-    server_args = ["--engine", args.engine]
+    server_args = []
     if args.threads:
         server_args += ["--threads", str(args.threads)]
     if args.quick:
@@ -112,10 +112,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     result = run_serve_bench(url=args.url, model_dir=args.model, model=args.served_model, concurrency=concurrency,
                              num_requests=args.requests, prompt_words=args.prompt_words, max_tokens=args.max_tokens,
                              chat=not args.completions, repeats=repeats, json_out=args.json,
-                             docs_out=args.write_docs, server_args=server_args)
-    print(json.dumps([{k: (round(v, 2) if isinstance(v, float) else v) for k, v in lv.items()}
-                      for lv in result["levels"]], indent=2))
-    return 1 if any(lv["errors"] for lv in result["levels"]) else 0
+                             docs_out=args.write_docs, engines=args.engine.split(","), server_args=server_args)
+    levels = [lv for lvs in result["modes"].values() for lv in lvs]
+    print(json.dumps({mode: [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in lv.items()
+                              if k != "error_samples"} for lv in lvs] for mode, lvs in result["modes"].items()},
+                     indent=2))
+    return 1 if any(lv["errors"] for lv in levels) else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--completions", action="store_true", help="use /v1/completions instead of chat")
     bs.add_argument("--repeats", type=int, default=None, help="runs per level, median reported (default 3)")
     bs.add_argument("--threads", type=int, default=None, help="server CPU threads (with --model)")
-    bs.add_argument("--engine", default="process", choices=["process", "thread"], help="server engine mode (with --model)")
+    bs.add_argument("--engine", default="process,thread",
+                    help="with --model: engine modes to sweep, comma-separated (default process,thread: an A/B)")
     bs.add_argument("--quick", action="store_true", help="levels 1 and 8, one run (smoke)")
     bs.add_argument("--json", default=None)
     bs.add_argument("--write-docs", default=None)

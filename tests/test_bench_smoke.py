@@ -28,3 +28,24 @@ def test_quick_engine_bench_writes_json_and_docs(tiny_model_dir, tmp_path):
     assert (tmp_path / "img" / "engine_bench.png").stat().st_size > 1000
     run_engine_bench(tiny_model_dir, docs_out=str(docs), quick=True, only=["prefix"])
     assert docs.read_text().count(DOC_BEGIN) == 1          # the section is replaced, not appended
+
+
+def test_serve_bench_against_a_running_server_writes_json_and_docs(serve_tiny, tmp_path):
+    """`sits bench serve --url` on a live server: every level completes, overhead is measured per request."""
+    from sits.bench import serve_bench
+    srv = serve_tiny()
+    out, docs = tmp_path / "serve.json", tmp_path / "benchmarks.md"
+    result = serve_bench.run_serve_bench(url=srv.url, model_dir=None, model=None, concurrency=[1, 4],
+                                         num_requests=8, prompt_words=16, max_tokens=8, chat=True, repeats=1,
+                                         json_out=str(out), docs_out=str(docs))
+    levels = json.loads(out.read_text())["modes"]["server"]
+    assert [lv["concurrency"] for lv in levels] == [1, 4]
+    for lv in levels:
+        assert lv["errors"] == 0 and lv["requests"] == 8
+        assert lv["throughput_tok_s"] > 0 and lv["prompt_tokens_mean"] > 0
+        assert 0 < lv["engine_ttft_p50_ms"] <= lv["ttft_p50_ms"]
+        assert lv["overhead_p50_ms"] >= 0 and lv["overhead_p99_ms"] < lv["ttft_p99_ms"]
+    text = docs.read_text()
+    assert text.count(serve_bench.DOC_BEGIN) == 1 and "engine mode `server`" in text
+    assert (tmp_path / "img" / "serve_bench.png").stat().st_size > 1000
+    assert result["modes"]["server"][0]["itl_p50_ms"] > 0

@@ -347,21 +347,23 @@ async def _sse_body(gen: Generation, events: AsyncIterator[tuple[int, TokenEvent
 
         async for i, ev in all_events():
             c = chunks.delta(i, ev)
-            if c is None:
-                prev_time.setdefault(i, ev.time)
+            if c is None:      # e.g. half a UTF-8 character: nothing to show yet
                 continue
             if meta is not None:
                 if i not in prev_time:
+                    # the first visible token of this choice: its time since scheduling, and the engine's
+                    # own time to it (the baseline a client subtracts to get the server's overhead)
                     sched = ev.first_scheduled_time or ev.arrival_time
-                    ttft = (ev.first_token_time or ev.time) - ev.arrival_time
-                    meta.tag(c, "prefill", (ev.first_token_time or ev.time) - sched,
-                             engine_ttft_us=round(ttft * 1e6))
+                    meta.tag(c, "prefill", ev.time - sched, engine_ttft_us=round((ev.time - ev.arrival_time) * 1e6))
                 else:
                     meta.tag(c, "decode", ev.time - prev_time[i])
             prev_time[i] = ev.time
             yield sse_data(c)
         if chunks.include_usage:
-            yield sse_data(chunks.usage())
+            u = chunks.usage()
+            if meta is not None:
+                meta.tag(u, "decode", 0.0)
+            yield sse_data(u)
     except SitsError as e:  # e.g. the server is draining: tell the client why the stream ends
         yield sse_data({"error": sits_error_as_dict(e)})
     finally:

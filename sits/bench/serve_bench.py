@@ -127,7 +127,11 @@ async def one_request(client: StreamClient, model: str, prompt: str, max_tokens:
         async for now, event in client.post_stream(path, payload):
             if event == b"data: [DONE]":
                 continue          # read on to the end of the chunked body: the connection is reused
-            if b'"stage":"prefill"' in event or b'"stage":"decode"' in event:
+            if b'"usage":{' in event:
+                usage = json.loads(event[6:]).get("usage") or {}
+                res.output_tokens = usage.get("completion_tokens", 0)
+                res.prompt_tokens = usage.get("prompt_tokens", 0)
+            elif b'"stage":"prefill"' in event or b'"stage":"decode"' in event:
                 if last is None:
                     res.ttft_s = now - t0
                     meta = json.loads(event[6:])["sits"]
@@ -135,10 +139,6 @@ async def one_request(client: StreamClient, model: str, prompt: str, max_tokens:
                 else:
                     res.itl_s.append(now - last)
                 last = now
-            elif b'"usage"' in event:
-                usage = json.loads(event[6:]).get("usage") or {}
-                res.output_tokens = usage.get("completion_tokens", 0)
-                res.prompt_tokens = usage.get("prompt_tokens", 0)
             elif event.startswith(b'data: {"error"'):
                 res.error = json.loads(event[6:])["error"].get("code")
                 return res
@@ -239,85 +239,117 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 # -- report -----------------------------------------------------------------------------------------
-def _plot(levels: list[dict], path: Path) -> None:
+def _plot(modes: dict[str, list[dict]], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cs = [lv["concurrency"] for lv in levels]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.plot(cs, [lv["ttft_p50_ms"] for lv in levels], "o-", label="TTFT via HTTP (p50)")
-    a.plot(cs, [lv["engine_ttft_p50_ms"] for lv in levels], "s--", label="TTFT in the engine (p50)")
-    a.plot(cs, [lv["ttft_p99_ms"] for lv in levels], "o:", label="TTFT via HTTP (p99)")
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4))
+    width = 0.8 / max(1, len(modes))
+    for j, (mode, levels) in enumerate(modes.items()):
+        cs = [lv["concurrency"] for lv in levels]
+        a.plot(cs, [lv["ttft_p50_ms"] for lv in levels], "o-", label=f"{mode}: via HTTP p50")
+        a.plot(cs, [lv["engine_ttft_p50_ms"] for lv in levels], "s--", label=f"{mode}: in the engine p50")
+        b.bar([i + (j - (len(modes) - 1) / 2) * width for i in range(len(cs))],
+              [lv["overhead_p50_ms"] for lv in levels], width, label=mode)
+        c.plot(cs, [lv["throughput_tok_s"] for lv in levels], "o-", label=mode)
+    cs = [lv["concurrency"] for lv in next(iter(modes.values()))]
     a.set_xscale("log", base=2)
-    a.set_xlabel("concurrent streams")
-    a.set_ylabel("ms")
-    a.set_title("time to first token")
-    a.legend()
-    b.bar([str(c) for c in cs], [lv["overhead_p50_ms"] for lv in levels], label="p50")
+    a.set(xlabel="concurrent streams", ylabel="ms", title="time to first token")
+    a.legend(fontsize=7)
     b.axhline(2.0, color="red", linestyle="--", label="target p50 ≤ 2 ms")
-    b.set_xlabel("concurrent streams")
-    b.set_ylabel("ms")
-    b.set_title("server overhead: HTTP TTFT − engine TTFT")
-    b.legend()
+    b.set_xticks(range(len(cs)), [str(x) for x in cs])
+    b.set(xlabel="concurrent streams", ylabel="ms", title="server overhead p50: HTTP TTFT − engine TTFT")
+    b.legend(fontsize=7)
+    c.set_xscale("log", base=2)
+    c.set(xlabel="concurrent streams", ylabel="output tokens / s", title="throughput")
+    c.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+_COLS = ("| streams | requests | errors | TTFT p50 ms | TTFT p99 ms | engine TTFT p50 ms | overhead p50 ms | "
+         "overhead p99 ms | ITL p50 ms | ITL p99 ms | e2e p50 ms | e2e p99 ms | tok/s |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
 def _markdown(result: dict, command: str, plot: str | None) -> str:
+    modes = result["modes"]
+    first = next(iter(modes.values()))
     lines = [DOC_BEGIN, "## Serving over HTTP (`sits bench serve`)", "", f"Command: `{command}`  ",
              f"Host: {result['host']}; model `{result['model']}`; {result['endpoint']}, prompts of "
-             f"{result['prompt_words']} words (≈{result['levels'][0]['prompt_tokens_mean']:.0f} tokens), "
+             f"{result['prompt_words']} words (≈{first[0]['prompt_tokens_mean']:.0f} tokens), "
              f"{result['max_tokens']} output tokens, greedy; medians of {result['repeats']} run(s) per level. "
-             "The baseline is the engine's own TTFT for the same requests (stream metadata).", "",
-             "| streams | requests | errors | TTFT p50 ms | TTFT p99 ms | engine TTFT p50 ms | overhead p50 ms | "
-             "overhead p99 ms | HTTP/engine TTFT | ITL p50 ms | ITL p99 ms | e2e p50 ms | e2e p99 ms | tok/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for lv in result["levels"]:
-        ratio = lv["ttft_p50_ms"] / lv["engine_ttft_p50_ms"] if lv["engine_ttft_p50_ms"] else float("nan")
-        lines.append(f"| {lv['concurrency']} | {lv['requests']} | {lv['errors']} | {lv['ttft_p50_ms']:.1f} | "
-                     f"{lv['ttft_p99_ms']:.1f} | {lv['engine_ttft_p50_ms']:.1f} | {lv['overhead_p50_ms']:.2f} | "
-                     f"{lv['overhead_p99_ms']:.2f} | {ratio:.2f} | {lv['itl_p50_ms']:.1f} | {lv['itl_p99_ms']:.1f} | "
-                     f"{lv['e2e_p50_ms']:.0f} | {lv['e2e_p99_ms']:.0f} | {lv['throughput_tok_s']:.0f} |")
-    lines += ["", "Target: overhead ≤ 2 ms at p50.", ""]
+             "Server overhead = TTFT seen by the client − the engine's own TTFT for the same request "
+             "(from the stream metadata), so its baseline is measured request by request in the same run.", ""]
+    for mode, levels in modes.items():
+        lines += [f"### engine mode `{mode}`", "", *_COLS]
+        for lv in levels:
+            lines.append(f"| {lv['concurrency']} | {lv['requests']} | {lv['errors']} | {lv['ttft_p50_ms']:.1f} | "
+                         f"{lv['ttft_p99_ms']:.1f} | {lv['engine_ttft_p50_ms']:.1f} | {lv['overhead_p50_ms']:.2f} | "
+                         f"{lv['overhead_p99_ms']:.2f} | {lv['itl_p50_ms']:.1f} | {lv['itl_p99_ms']:.1f} | "
+                         f"{lv['e2e_p50_ms']:.0f} | {lv['e2e_p99_ms']:.0f} | {lv['throughput_tok_s']:.0f} |")
+        lines.append("")
+    if "process" in modes and "thread" in modes:
+        lines += ["### process / thread (same run)", "",
+                  "| streams | TTFT p50 | TTFT p99 | overhead p50 | ITL p50 | throughput |", "|---|---|---|---|---|---|"]
+        for p, t in zip(modes["process"], modes["thread"]):
+            def r(k):
+                return f"{p[k] / t[k]:.2f}" if t[k] else "-"
+            lines.append(f"| {p['concurrency']} | {r('ttft_p50_ms')} | {r('ttft_p99_ms')} | {r('overhead_p50_ms')} | "
+                         f"{r('itl_p50_ms')} | {r('throughput_tok_s')} |")
+        lines.append("")
+    lines += ["Target: server overhead ≤ 2 ms at p50.", ""]
     if plot:
         lines += [f"![serve benchmark]({plot})", ""]
     lines.append(DOC_END)
     return "\n".join(lines)
 
 
+def sweep(url: str, model: str | None, concurrency: list[int], num_requests: int | None, prompt_words: int,
+          max_tokens: int, chat: bool, repeats: int, label: str) -> tuple[str, list[dict]]:
+    models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
+    name = model or models[0]["id"]
+    log(f"[{label}] warming up {url} ({name})")
+    asyncio.run(run_level(url, name, 2, 4, prompt_words, 4, chat, seed=999))
+    levels = []
+    for c in concurrency:
+        n = num_requests or max(16, 2 * c)
+        runs = []
+        for r in range(repeats):
+            lv = asyncio.run(run_level(url, name, c, n, prompt_words, max_tokens, chat, seed=c * 100 + r))
+            log(f"[{label}] {c} streams, run {r + 1}/{repeats}: ttft p50 {lv['ttft_p50_ms']:.1f} ms "
+                f"(engine {lv['engine_ttft_p50_ms']:.1f}), overhead p50 {lv['overhead_p50_ms']:.2f} ms, "
+                f"itl p50 {lv['itl_p50_ms']:.1f} ms, {lv['throughput_tok_s']:.0f} tok/s, errors {lv['errors']}")
+            runs.append(lv)
+        levels.append(_median_runs(runs))
+    return name, levels
+
+
 def run_serve_bench(*, url: str | None, model_dir: str | None, model: str | None, concurrency: list[int],
                     num_requests: int | None, prompt_words: int, max_tokens: int, chat: bool, repeats: int,
-                    json_out: str | None, docs_out: str | None, server_args: list[str] | None = None) -> dict:
-    proc = None
-    if url is None:
+                    json_out: str | None, docs_out: str | None, engines: list[str] | None = None,
+                    server_args: list[str] | None = None) -> dict:
+    """Sweep concurrency against ``url``, or against ``sits serve --model model_dir`` once per engine mode."""
+    modes: dict[str, list[dict]] = {}
+    if url is not None:
+        name, modes["server"] = sweep(url, model, concurrency, num_requests, prompt_words, max_tokens, chat,
+                                      repeats, "server")
+    else:
         if model_dir is None:
             raise ValueError("give --url of a running server or --model DIR to start one")
-        proc, url = start_server(model_dir, server_args or [])
-    try:
-        models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
-        name = model or models[0]["id"]
-        log(f"warming up {url} ({name})")
-        asyncio.run(run_level(url, name, 2, 4, prompt_words, 4, chat, seed=999))
-        levels = []
-        for c in concurrency:
-            n = num_requests or max(16, 2 * c)
-            runs = []
-            for r in range(repeats):
-                lv = asyncio.run(run_level(url, name, c, n, prompt_words, max_tokens, chat, seed=c * 100 + r))
-                log(f"{c} streams, run {r + 1}/{repeats}: ttft p50 {lv['ttft_p50_ms']:.1f} ms "
-                    f"(engine {lv['engine_ttft_p50_ms']:.1f}), overhead p50 {lv['overhead_p50_ms']:.2f} ms, "
-                    f"itl p50 {lv['itl_p50_ms']:.1f} ms, {lv['throughput_tok_s']:.0f} tok/s, errors {lv['errors']}")
-                runs.append(lv)
-            levels.append(_median_runs(runs))
-    finally:
-        if proc is not None:
-            stop_server(proc)
+        for mode in engines or ["process"]:
+            proc, mode_url = start_server(model_dir, ["--engine", mode, *(server_args or [])])
+            try:
+                name, modes[mode] = sweep(mode_url, model, concurrency, num_requests, prompt_words, max_tokens,
+                                          chat, repeats, mode)
+            finally:
+                stop_server(proc)
     result = {"url": url, "model": model_dir or name, "endpoint": "/v1/chat/completions" if chat else "/v1/completions",
-              "prompt_words": prompt_words, "max_tokens": max_tokens, "repeats": repeats, "levels": levels,
-              "host": f"{os.cpu_count()} CPU cores (client and server on the same host)"}
+              "prompt_words": prompt_words, "max_tokens": max_tokens, "repeats": repeats, "modes": modes,
+              "host": f"{os.cpu_count()} CPU cores, client and server on the same host"}
     command = "sits bench serve " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "serve"] else "sits bench serve"
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
@@ -325,6 +357,6 @@ def run_serve_bench(*, url: str | None, model_dir: str | None, model: str | None
     if docs_out:
         docs = Path(docs_out)
         plot_path = docs.parent / "img" / "serve_bench.png"
-        _plot(levels, plot_path)
+        _plot(modes, plot_path)
         write_docs(docs, _markdown(result, command, os.path.relpath(plot_path, docs.parent)), DOC_BEGIN, DOC_END)
     return result
