@@ -1,0 +1,265 @@
+"""Units (Intelligence Units) declared in YAML, validated with errors that point at the line.
+
+    name: chat
+    model: ./models/tiny            # a local HF directory (relative to the YAML file)
+    prompt_template: null           # optional Jinja template around the user input: {{ input }}
+    scale: {min_instances: 0, max_instances: 4, keep_alive_s: 300,
+            trigger: "ttft_p95 > 800ms || kv_util > 85%"}
+    slo: {ttft_ms: 2000, itl_ms: 500, tps: 1200, target_health: 0.75}
+    resources: {device: auto, threads: 2, kv_blocks: auto}
+
+A config for ``sits up`` holds ``units: [ ... ]`` of these. Every problem is reported as
+``file:line:column: field: what is wrong (what is allowed)``; all problems at once, not the first.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import jinja2.sandbox
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from sits.engine.config import EngineConfig
+from sits.engine.errors import SitsError
+from sits.runtime.trigger import TriggerError, parse_trigger
+
+UNIT_NAME = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ScaleSpec(_Strict):
+    min_instances: int = Field(0, ge=0, le=64)
+    max_instances: int = Field(1, ge=1, le=64)
+    keep_alive_s: float = Field(300.0, ge=0, description="idle time before scaling to min_instances")
+    trigger: str | None = Field(None, description='e.g. "ttft_p95 > 800ms || kv_util > 85%"')
+    upscale_delay_s: float = Field(0.0, ge=0, description="the trigger must hold this long before a scale-up")
+    downscale_delay_s: float = Field(30.0, ge=0, description="calm for this long before a scale-down")
+    window_s: float = Field(30.0, gt=0, description="metrics look-back window")
+
+    @field_validator("trigger")
+    @classmethod
+    def _trigger_parses(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                parse_trigger(v)
+            except TriggerError as e:
+                raise ValueError(e.message) from None
+        return v
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "ScaleSpec":
+        if self.min_instances > self.max_instances:
+            raise ValueError(f"min_instances ({self.min_instances}) exceeds max_instances ({self.max_instances})")
+        return self
+
+
+class SloSpec(_Strict):
+    ttft_ms: float = Field(2000.0, gt=0)
+    itl_ms: float = Field(500.0, gt=0)
+    tps: float = Field(100.0, gt=0, description="output tokens per second the unit should deliver")
+    target_health: float = Field(0.75, ge=0, le=1, description="scale up when the SLO health score falls below")
+
+
+class ResourcesSpec(_Strict):
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N")
+    threads: int | None = Field(None, ge=1, le=1024)
+    kv_blocks: int | Literal["auto"] = "auto"
+    kv_cache_mb: int = Field(256, ge=1, description="KV pool size when kv_blocks is auto")
+    max_model_len: int | None = Field(None, ge=16)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    policy: Literal["pfsd", "fcfs"] = "pfsd"
+    warmup: bool = True
+
+    @field_validator("kv_blocks")
+    @classmethod
+    def _positive(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError("kv_blocks is a positive integer or 'auto'")
+        return v
+
+
+class UnitSpec(_Strict):
+    name: str = Field(..., pattern=UNIT_NAME, description="lowercase letters, digits, '.', '_', '-'")
+    model: str = Field(..., min_length=1, description="a local Hugging Face model directory")
+    prompt_template: str | None = Field(None, description="Jinja around the user input: {{ input }}")
+    scale: ScaleSpec = Field(default_factory=ScaleSpec)
+    slo: SloSpec = Field(default_factory=SloSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _template_compiles(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(v)
+            except jinja2.TemplateSyntaxError as e:
+                raise ValueError(f"not a valid Jinja template: {e.message} (template line {e.lineno})") from None
+        return v
+
+    def engine_config(self) -> EngineConfig:
+        r = self.resources
+        return EngineConfig(model=self.model, device=r.device, dtype=r.dtype, threads=r.threads, policy=r.policy,
+                            num_kv_blocks=None if r.kv_blocks == "auto" else r.kv_blocks,
+                            kv_cache_memory_mb=r.kv_cache_mb, max_model_len=r.max_model_len, warmup=r.warmup)
+
+    def render_prompt(self, user_input: str) -> str:
+        if self.prompt_template is None:
+            return user_input
+        return jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(self.prompt_template).render(
+            input=user_input)
+
+
+class RuntimeConfig(_Strict):
+    units: list[UnitSpec] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique(self) -> "RuntimeConfig":
+        seen: set[str] = set()
+        for u in self.units:
+            if u.name in seen:
+                raise ValueError(f"two units are named {u.name!r}")
+            seen.add(u.name)
+        return self
+
+
+# -- YAML with positions --------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class SpecProblem:
+    file: str
+    line: int | None
+    column: int | None
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        where = self.file + (f":{self.line}:{self.column}" if self.line is not None else "")
+        return f"{where}: {self.field or '(top level)'}: {self.message}"
+
+
+class UnitSpecError(SitsError):
+    code = "invalid_unit_spec"
+    http_status = 400
+
+    def __init__(self, problems: list[SpecProblem]):
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems), param=problems[0].field if problems else None)
+
+
+def _to_python(node: yaml.Node, path: tuple, marks: dict[tuple, yaml.Mark]) -> Any:
+    marks[path] = node.start_mark
+    if isinstance(node, yaml.MappingNode):
+        out = {}
+        for k, v in node.value:
+            if not isinstance(k, yaml.ScalarNode):
+                raise yaml.MarkedYAMLError(problem="a mapping key must be a plain value", problem_mark=k.start_mark)
+            key = _scalar(k)
+            marks[path + (key, "__key__")] = k.start_mark
+            out[key] = _to_python(v, path + (key,), marks)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_to_python(v, path + (i,), marks) for i, v in enumerate(node.value)]
+    return _scalar(node)
+
+
+def _scalar(node: yaml.ScalarNode) -> Any:
+    loader = yaml.SafeLoader("")
+    try:
+        return loader.construct_object(node, deep=True)
+    finally:
+        loader.dispose()
+
+
+def _allowed(model: type[BaseModel]) -> str:
+    return ", ".join(model.model_fields)
+
+
+def _model_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model that owns the last element of ``loc``."""
+    model: Any = root
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return None
+        ann = field.annotation
+        inner = getattr(ann, "__args__", None)
+        if inner:   # list[UnitSpec] and friends
+            ann = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), ann)
+        model = ann
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def load_yaml_spec(text: str, file: str, root: type[BaseModel]) -> tuple[BaseModel, Path]:
+    """Parse YAML text into ``root`` (UnitSpec or RuntimeConfig); raises UnitSpecError listing every problem."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        raise UnitSpecError([SpecProblem(file, mark.line + 1 if mark else None, mark.column + 1 if mark else None,
+                                         "", f"not valid YAML: {e.problem or e}")]) from None
+    except yaml.YAMLError as e:
+        raise UnitSpecError([SpecProblem(file, None, None, "", f"not valid YAML: {e}")]) from None
+    if node is None:
+        raise UnitSpecError([SpecProblem(file, 1, 1, "", "the file is empty")])
+    marks: dict[tuple, yaml.Mark] = {}
+    try:
+        data = _to_python(node, (), marks)
+    except yaml.YAMLError as e:
+        raise UnitSpecError([SpecProblem(file, None, None, "", f"not valid YAML: {e}")]) from None
+    try:
+        return root.model_validate(data), Path(file).parent
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            loc = tuple(err["loc"])
+            mark = marks.get(loc + ("__key__",)) if err["type"] == "extra_forbidden" else None
+            for cut in range(len(loc), -1, -1):
+                if mark is not None:
+                    break
+                mark = marks.get(loc[:cut])
+            field = ".".join(str(p) for p in loc)
+            msg = err["msg"].removeprefix("Value error, ")
+            owner = _model_at(root, loc)
+            if err["type"] == "extra_forbidden":
+                msg = f"unknown field {loc[-1]!r}" + (f"; allowed: {_allowed(owner)}" if owner else "")
+            elif err["type"] == "missing":
+                msg = "required"
+            elif owner is not None and loc and loc[-1] in owner.model_fields:
+                desc = owner.model_fields[loc[-1]].description
+                if err["type"] == "string_pattern_mismatch" and desc:
+                    msg = f"{err.get('input')!r} is not allowed; allowed: {desc}"
+                elif desc and err["type"] != "value_error":
+                    msg = f"{msg} ({desc})"
+            problems.append(SpecProblem(file, mark.line + 1 if mark else None, mark.column + 1 if mark else None,
+                                        field, msg))
+        raise UnitSpecError(problems) from None
+
+
+def _resolve_models(units: list[UnitSpec], base: Path) -> None:
+    for u in units:
+        if not os.path.isabs(os.path.expanduser(u.model)):
+            u.model = str((base / u.model).resolve())
+        else:
+            u.model = os.path.expanduser(u.model)
+
+
+def load_unit_file(path: str | os.PathLike) -> UnitSpec:
+    text = Path(path).read_text(encoding="utf-8")
+    spec, base = load_yaml_spec(text, str(path), UnitSpec)
+    _resolve_models([spec], base)   # type: ignore[list-item]
+    return spec  # type: ignore[return-value]
+
+
+def load_runtime_config(path: str | os.PathLike) -> RuntimeConfig:
+    text = Path(path).read_text(encoding="utf-8")
+    cfg, base = load_yaml_spec(text, str(path), RuntimeConfig)
+    _resolve_models(cfg.units, base)   # type: ignore[attr-defined]
+    return cfg  # type: ignore[return-value]
