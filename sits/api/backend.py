@@ -78,8 +78,12 @@ class EngineBackend:
 class BackendRegistry:
     """Served names -> backends; an unknown name is a 404 ``model_not_found``."""
 
-    def __init__(self, backends: list[Backend] | None = None, loading: list[str] | None = None):
-        self._by_name: dict[str, Backend] = {}
+    def __init__(self, backends: list[Backend] | None = None, loading: list[str] | None = None,
+                 mapping: dict | None = None):
+        """``mapping``: serve from a dict someone else keeps current (the runtime's deployed units);
+        such a registry is ready with no entries too (a gateway with nothing deployed yet)."""
+        self._by_name: dict[str, Backend] = mapping if mapping is not None else {}
+        self._shared = mapping is not None
         self.loading: set[str] = set(loading or [])    # names still starting (503 model_loading)
         for b in backends or []:
             self.add(b)
@@ -108,4 +112,5 @@ class BackendRegistry:
 
     @property
     def ready(self) -> bool:
-        return bool(self._by_name) and not self.loading and all(b.ready for b in self._by_name.values())
+        return ((bool(self._by_name) or self._shared) and not self.loading
+                and all(b.ready for b in self._by_name.values()))

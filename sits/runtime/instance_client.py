@@ -62,18 +62,26 @@ class InstanceBackend:
     # -- start ----------------------------------------------------------------------------------------
     @classmethod
     async def spawn(cls, cfg: EngineConfig, name: str | None = None, *, start_timeout_s: float = 600.0,
-                    stderr=None) -> "InstanceBackend":
-        """Start an instance process for ``cfg`` and return once its engine is loaded and warm."""
+                    stderr=None, on_phase=None) -> "InstanceBackend":
+        """Start an instance process for ``cfg`` and return once its engine is loaded and warm.
+
+        ``on_phase(phase, info)`` is told ``"spawned"`` (process started, ``pid``), ``"loading"`` (the
+        process is up and answering: imports done, weights next) and nothing more: the return is READY.
+        """
         name = name or os.path.basename(os.path.normpath(str(cfg.model)))
         sock_dir = tempfile.mkdtemp(prefix="sits-instance-")
         path = os.path.join(sock_dir, "engine.sock")
         proc = subprocess.Popen([sys.executable, "-m", "sits.runtime.instance_worker", "--socket", path,
                                  "--config", json.dumps(asdict(cfg))], stdin=subprocess.DEVNULL, stderr=stderr)
+        if on_phase is not None:
+            on_phase("spawned", {"pid": proc.pid})
         try:
             tokenizer_task = asyncio.create_task(asyncio.to_thread(Tokenizer.from_dir, cfg.model))
             reader, writer = await asyncio.wait_for(cls._connect(path, proc), start_timeout_s)
             hello = await read_frame(reader)
             assert hello[0] == "hello", hello
+            if on_phase is not None:
+                on_phase("loading", hello[1])
             msg = await asyncio.wait_for(read_frame(reader), start_timeout_s)
             if msg[0] == "fatal":
                 raise ModelLoadError(f"instance for {cfg.model} failed to start: {msg[2]}", code=msg[1])

@@ -1,0 +1,86 @@
+"""The control API of ``sits up``: deploy, list, delete and scale units; the runtime's status.
+
+Bodies are validated with the runtime's ``UnitSpec`` (unknown fields are errors here, not
+warnings: a typo in a deployment must not pass silently).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from sits.api.errors import ErrorResponse
+from sits.engine.errors import SitsError
+from sits.runtime.gateway import Gateway
+from sits.runtime.unit_spec import UnitSpec
+
+router = APIRouter(tags=["control"])
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "invalid unit spec"},
+    401: {"model": ErrorResponse, "description": "missing or wrong API key"},
+    404: {"model": ErrorResponse, "description": "no such unit"},
+}
+
+
+class UnitNotFoundError(SitsError):
+    code = "unit_not_found"
+    http_status = 404
+
+
+class ScaleRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    instances: int = Field(..., ge=0, le=64)
+
+
+def _gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+def _unit(gw: Gateway, name: str):
+    try:
+        return gw.units[name]
+    except KeyError:
+        raise UnitNotFoundError(f"no unit {name!r}; deployed: {', '.join(sorted(gw.units)) or 'none'}",
+                                param="name") from None
+
+
+@router.get("/v1/units", responses=ERRORS)
+async def list_units(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [b.view() for b in _gateway(request).units.values()]}
+
+
+@router.post("/v1/units", status_code=201, responses=ERRORS)
+async def deploy_unit(spec: UnitSpec, request: Request) -> JSONResponse:
+    gw = _gateway(request)
+    replaced = spec.name in gw.units
+    backend = await gw.deploy(spec)
+    return JSONResponse(backend.view(), status_code=200 if replaced else 201)
+
+
+@router.get("/v1/units/{name}", responses=ERRORS)
+async def get_unit(name: str, request: Request) -> dict[str, Any]:
+    return _unit(_gateway(request), name).view()
+
+
+@router.delete("/v1/units/{name}", responses=ERRORS)
+async def delete_unit(name: str, request: Request) -> dict[str, Any]:
+    gw = _gateway(request)
+    _unit(gw, name)
+    await gw.undeploy(name)
+    return {"name": name, "deleted": True}
+
+
+@router.post("/v1/units/{name}/scale", responses=ERRORS)
+async def scale_unit(name: str, body: ScaleRequest, request: Request) -> dict[str, Any]:
+    gw = _gateway(request)
+    _unit(gw, name)
+    return gw.scale(name, body.instances).view()
+
+
+@router.get("/v1/status", responses=ERRORS)
+async def status(request: Request) -> dict[str, Any]:
+    return _gateway(request).status()

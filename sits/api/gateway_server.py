@@ -1,0 +1,95 @@
+"""``sits up``: the gateway with its units, on uvicorn.
+
+The same app as ``sits serve`` (both dialects, metrics, the edge, draining) over the gateway's
+units instead of one engine, plus the control API. Units come from the persisted set in the data
+directory and from ``--config`` (which wins on a name clash).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+import uvicorn
+from fastapi import FastAPI
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from sits.api import control_routes
+from sits.api.app import create_app
+from sits.api.backend import BackendRegistry
+from sits.api.context import ServerSettings
+from sits.api.server import DrainingServer
+from sits.runtime.gateway import Gateway
+from sits.runtime.unit_spec import UnitSpec
+
+log = logging.getLogger("sits.up")
+
+
+class _GatewayCollector(Collector):
+    def __init__(self, gw: Gateway):
+        self.gw = gw
+
+    def collect(self):
+        inst = GaugeMetricFamily("sits:unit_instances", "instances per unit and state", labels=["unit", "state"])
+        desired = GaugeMetricFamily("sits:unit_desired_instances", "the autoscaler's target", labels=["unit"])
+        health = GaugeMetricFamily("sits:unit_slo_health", "SLO health score (1 = SLO met)", labels=["unit"])
+        starts = CounterMetricFamily("sits:instance_starts", "instances started", labels=["unit"])
+        crashes = CounterMetricFamily("sits:instance_crashes", "instances that died", labels=["unit"])
+        decisions = CounterMetricFamily("sits:autoscaler_decisions", "scaling changes", labels=["unit", "direction"])
+        for name, b in self.gw.units.items():
+            counts: dict[str, int] = {}
+            for i in b.pool.instances:
+                counts[i.state.value] = counts.get(i.state.value, 0) + 1
+            for state in ("STARTING", "WARMING", "READY", "DRAINING"):
+                inst.add_metric([name, state], counts.get(state, 0))
+            desired.add_metric([name], b.pool.desired)
+            if b.last_decision is not None and b.last_decision.health is not None:
+                health.add_metric([name], b.last_decision.health)
+            starts.add_metric([name], b.pool.starts)
+            crashes.add_metric([name], b.pool.crashes)
+        for (unit, direction), n in self.gw.decisions.items():
+            decisions.add_metric([unit, direction], n)
+        yield from (inst, desired, health, starts, crashes, decisions)
+
+
+def build_gateway_app(gateway: Gateway, config_units: list[UnitSpec], settings: ServerSettings) -> FastAPI:
+    registry = BackendRegistry(mapping=gateway.units, loading=["(gateway starting)"])
+
+    async def start(app: FastAPI) -> None:
+        try:
+            await gateway.start(config_units)
+        finally:
+            registry.loading.clear()
+
+    async def stop(app: FastAPI) -> None:
+        await gateway.shutdown()
+
+    app = create_app(registry, settings, on_startup=[start], on_shutdown=[stop])
+    app.state.gateway = gateway
+    app.include_router(control_routes.router)
+    app.state.sits.metrics.registry.register(_GatewayCollector(gateway))
+    app.openapi_schema = None
+    return app
+
+
+def up(config_units: list[UnitSpec], settings: ServerSettings, *, data_dir: str, host: str = "127.0.0.1",
+       port: int = 8000, log_level: str = "info", tick_s: float = 1.0) -> int:
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def main() -> None:
+        gateway = Gateway(data_dir, tick_s=tick_s)
+        app = build_gateway_app(gateway, config_units, settings)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                                access_log=False)
+        server = DrainingServer(config, app, settings.drain_grace_s)
+        names = ", ".join(u.name for u in config_units) or "the persisted units"
+        print(f"SITS gateway at http://{host}:{port} (units: {names}; data: {data_dir})\n"
+              f"  sits status --url http://{host}:{port}    sits iu list    "
+              f"curl http://{host}:{port}/v1/models", file=sys.stderr, flush=True)
+        await server.serve()
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,270 @@
+"""The gateway: deployed units, each an instance pool behind the HTTP layer's Backend API.
+
+``UnitBackend`` is what the OpenAI and SITS dialects see for a unit: it validates and tokenizes in
+the gateway (with the unit's tokenizer, loaded at deploy time, so a unit at zero instances still
+answers 4xx for bad input at once), waits for a READY instance when there is none (a cold start
+is requested immediately, not at the next autoscaler tick), then streams from the least loaded
+instance. ``Gateway`` owns the units, persists them (``UnitStore``), and runs the autoscaler loop:
+one decision per unit per tick, every change an event with its reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from sits.engine.config import ModelConfig
+from sits.engine.errors import InvalidRequestError, ModelLoadError, RequestAbortedError, SitsError
+from sits.engine.llm_engine import EngineStats, TokenEvent
+from sits.engine.request_validator import RequestValidator
+from sits.engine.sampling_params import SamplingParams
+from sits.engine.sequence import Sequence
+from sits.engine.tokenizer import Tokenizer
+from sits.runtime.autoscaler import Autoscaler, ScaleDecision
+from sits.runtime.unit_metrics import MetricsWindow
+from sits.runtime.unit_pool import UnitPool
+from sits.runtime.unit_spec import UnitSpec
+from sits.runtime.unit_store import UnitStore
+
+log = logging.getLogger("sits.runtime")
+
+
+class UnitBackend:
+    def __init__(self, spec: UnitSpec, gateway: "Gateway"):
+        self.spec = spec
+        self.name = spec.name
+        self.root = spec.model
+        self.created = int(time.time())
+        if not os.path.isdir(spec.model):
+            raise InvalidRequestError(f"unit {spec.name}: model directory {spec.model} does not exist",
+                                      param="model", code="model_dir_not_found")
+        try:
+            mc = ModelConfig.from_dir(spec.model)
+            self.tokenizer = Tokenizer.from_dir(spec.model)
+        except ModelLoadError as e:      # a unit that cannot load is the deployer's input error
+            raise InvalidRequestError(f"unit {spec.name}: {e.message}", param="model", code=e.code) from None
+        self.max_model_len = min(spec.resources.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        # the KV pool's size is known once an instance runs; the instance checks that limit itself
+        self.validator = RequestValidator(self.tokenizer, vocab_size=mc.vocab_size, max_model_len=self.max_model_len,
+                                          block_size=16, num_kv_blocks=1 << 30)
+        self.kv_capacity_tokens = self.max_model_len
+        self.gateway = gateway
+        self.pool = UnitPool(spec, on_event=lambda kind, data: gateway.record(spec.name, kind, data))
+        self.autoscaler = Autoscaler(spec.scale, spec.slo)
+        self.window = MetricsWindow(spec.scale.window_s)
+        self.waiting = 0
+        self.inflight = 0
+        self.idle_since: float | None = time.monotonic()
+        self.last_decision: ScaleDecision | None = None
+        self._waiters: dict[str, asyncio.Future] = {}
+        self._placed: dict[str, object] = {}      # request id -> instance backend serving it
+
+    # -- the Backend API ------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return True      # a unit accepts requests at any scale; a cold one makes them wait
+
+    def prepare(self, prompt: str | list[int], params: SamplingParams, *, request_id: str, priority: int = 0,
+                interactive: bool = True) -> Sequence:
+        if isinstance(prompt, str) and self.spec.prompt_template is not None:
+            prompt = self.spec.render_prompt(prompt)
+        ids = self.validator.prompt_ids(prompt, params, priority)
+        if request_id in self._placed or request_id in self._waiters:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id",
+                                      code="duplicate_request_id")
+        return Sequence(request_id, ids, params, priority=priority, interactive=interactive)
+
+    async def stream(self, seq: Sequence) -> AsyncIterator[TokenEvent]:
+        rid = seq.request_id
+        self.window.arrival()
+        self.idle_since = None
+        self.waiting += 1
+        aborted: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._waiters[rid] = aborted
+        try:
+            acquire = asyncio.ensure_future(self.pool.acquire(on_wait=lambda: self.gateway.kick(self.name)))
+            done, _ = await asyncio.wait({acquire, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            if aborted in done:
+                acquire.cancel()
+                raise aborted.result()
+            inst = acquire.result()
+        finally:
+            self.waiting -= 1
+            self._waiters.pop(rid, None)
+            if not aborted.done():
+                aborted.cancel()
+        inst.inflight += 1
+        self.inflight += 1
+        self._placed[rid] = inst.backend
+        first: float | None = None
+        prev: float | None = None
+        itls: list[float] = []
+        try:
+            async for ev in inst.backend.stream(seq):
+                if ev.token_id is not None:
+                    if first is None and ev.first_token_time is not None:
+                        first = (ev.first_token_time - ev.arrival_time) * 1e3
+                    if prev is not None:
+                        itls.append((ev.time - prev) * 1e3)
+                    prev = ev.time
+                if ev.finished:
+                    self.window.finished(first, (ev.time - ev.arrival_time) * 1e3, ev.num_output_tokens, itls)
+                yield ev
+        finally:
+            inst.inflight -= 1
+            self.inflight -= 1
+            self._placed.pop(rid, None)
+            if not self.inflight and not self.waiting:
+                self.idle_since = time.monotonic()
+
+    def abort(self, request_id: str, error: SitsError | None = None) -> None:
+        err = error or RequestAbortedError(f"request {request_id} was aborted")
+        waiter = self._waiters.get(request_id)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(err)
+        backend = self._placed.get(request_id)
+        if backend is not None:
+            backend.abort(request_id, err)
+
+    def stats(self) -> EngineStats:
+        ready = [i.backend.stats() for i in self.pool.ready()]
+        if not ready:
+            return EngineStats(self.waiting, 0, 0.0, 0, 0, 0, 0, 0.0, 0, 0, self.spec.resources.policy,
+                               self.pool.last_report)
+        blocks = sum(s.num_kv_blocks for s in ready)
+        free = sum(s.num_free_blocks for s in ready)
+        queries = sum(s.prefix_queries for s in ready)
+        hits = sum(s.prefix_hits for s in ready)
+        return EngineStats(sum(s.num_waiting for s in ready) + self.waiting, sum(s.num_running for s in ready),
+                           1.0 - free / blocks if blocks else 0.0, blocks, free, queries, hits,
+                           hits / queries if queries else 0.0, sum(s.num_preemptions for s in ready),
+                           sum(s.num_steps for s in ready), self.spec.resources.policy, self.pool.last_report)
+
+    # -- scaling --------------------------------------------------------------------------------------
+    def tick(self, now: float) -> ScaleDecision:
+        st = self.stats()
+        m = self.window.snapshot(queue_depth=st.num_waiting, inflight=self.inflight, kv_util=st.kv_usage if st.num_kv_blocks else None)
+        d = self.autoscaler.decide(m, current=self.pool.desired, starting=len(self.pool.starting()), now=now,
+                                   idle_since=self.idle_since)
+        self.last_decision = d
+        if d.target != self.pool.desired:
+            self.gateway.record(self.name, "scale", {"from": d.current, "to": d.target, "reason": d.reason,
+                                                     "slo_health": d.health})
+            log.info("unit %s: scale %d -> %d (%s)", self.name, d.current, d.target, d.reason)
+            self.gateway.decisions[(self.name, d.direction)] += 1
+            self.pool.scale_to(d.target, d.reason)
+        else:
+            self.pool.reconcile(d.reason)        # replaces crashed instances
+        return d
+
+    def view(self) -> dict:
+        d = self.last_decision
+        m = self.window.snapshot(queue_depth=self.waiting, inflight=self.inflight)
+        return {
+            "name": self.name, "model": self.spec.model, "desired": self.pool.desired,
+            "instances": [i.view() for i in self.pool.instances], "waiting": self.waiting, "inflight": self.inflight,
+            "metrics": {"ttft_p95_ms": m.ttft_p95, "itl_p95_ms": m.itl_p95, "rps": round(m.rps, 3),
+                        "tps": round(m.tps, 3)},
+            "slo_health": d.health if d else None, "last_decision": None if d is None else
+            {"from": d.current, "to": d.target, "reason": d.reason},
+            "starts": self.pool.starts, "crashes": self.pool.crashes, "cold_start": self.pool.last_report,
+            "spec": self.spec.model_dump(),
+        }
+
+
+class Gateway:
+    def __init__(self, data_dir: str | Path, *, tick_s: float = 1.0):
+        self.data_dir = Path(data_dir)
+        self.store = UnitStore(self.data_dir)
+        self.units: dict[str, UnitBackend] = {}
+        self.tick_s = tick_s
+        self.events: collections.deque[dict] = collections.deque(maxlen=1000)
+        self.decisions: collections.Counter = collections.Counter()
+        self._loop_task: asyncio.Task | None = None
+
+    def record(self, unit: str, kind: str, data: dict) -> None:
+        self.events.append({"time": time.time(), "unit": unit, "event": kind, **data})
+
+    # -- units ----------------------------------------------------------------------------------------
+    async def deploy(self, spec: UnitSpec, *, persist: bool = True) -> UnitBackend:
+        old = self.units.get(spec.name)
+        backend = await asyncio.to_thread(UnitBackend, spec, self)
+        if old is not None:
+            await self.undeploy(spec.name, persist=False)
+        self.units[spec.name] = backend
+        if persist:
+            self.store.put(spec)
+        self.record(spec.name, "deployed", {"model": spec.model})
+        backend.tick(time.monotonic())           # min_instances start now
+        return backend
+
+    async def undeploy(self, name: str, *, persist: bool = True) -> bool:
+        backend = self.units.pop(name, None)
+        if persist:
+            self.store.delete(name)
+        if backend is None:
+            return False
+        for rid in list(backend._waiters):
+            backend.abort(rid, SitsError(f"unit {name} was deleted", code="unit_deleted"))
+        await backend.pool.shutdown()
+        self.record(name, "deleted", {})
+        return True
+
+    def scale(self, name: str, n: int) -> UnitBackend:
+        backend = self.units[name]
+        hi = backend.spec.scale.max_instances
+        if not 0 <= n <= hi:
+            raise InvalidRequestError(f"unit {name} scales within [0, {hi}] (max_instances); got {n}",
+                                      param="instances", code="invalid_parameter")
+        backend.pool.scale_to(n, "manual scale")
+        backend.autoscaler.state.calm_since = time.monotonic()     # a manual scale-up is not undone at once
+        self.record(name, "scale", {"from": None, "to": n, "reason": "manual scale"})
+        return backend
+
+    def kick(self, name: str) -> None:
+        """Run the autoscaler for this unit now (a request is waiting for a cold unit)."""
+        backend = self.units.get(name)
+        if backend is not None:
+            backend.tick(time.monotonic())
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    async def start(self, config_units: list[UnitSpec]) -> None:
+        """Deploy the persisted units, then the config's (which win on a name clash), then tick."""
+        by_name = {u.name: u for u in self.store.all()}
+        for u in config_units:
+            by_name[u.name] = u
+            self.store.put(u)
+        for spec in by_name.values():
+            try:
+                await self.deploy(spec, persist=False)
+            except SitsError as e:
+                log.error("unit %s not deployed: %s", spec.name, e.message)
+                self.record(spec.name, "deploy_failed", {"error": e.message})
+        self._loop_task = asyncio.get_running_loop().create_task(self._autoscale_loop(), name="autoscaler")
+
+    async def _autoscale_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            now = time.monotonic()
+            for backend in list(self.units.values()):
+                try:
+                    backend.tick(now)
+                except Exception:  # noqa: BLE001 - one unit's bug must not stop the others' scaling
+                    log.exception("autoscaler tick for %s failed", backend.name)
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for name in list(self.units):
+            backend = self.units.pop(name)
+            await backend.pool.shutdown()
+        self.store.close()
+
+    def status(self) -> dict:
+        return {"units": [b.view() for b in self.units.values()], "events": list(self.events)[-50:]}

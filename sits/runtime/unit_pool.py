@@ -1,0 +1,207 @@
+"""A unit's instances: start, watch, replace, drain; and the wait for a READY one.
+
+Instance states: STARTING (process spawned) → WARMING (imports done, loading weights and warming
+up) → READY → DRAINING (no new requests; in-flight ones finish) → STOPPED. A READY instance whose
+process dies is detected by its socket closing and by the health tick, marked STOPPED, and
+replaced while the desired count says it should exist. Requests that find no READY instance wait
+for one (the pool asks the autoscaler for a cold start at once); they never fail because of a cold
+start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sits.engine.cold_start import ColdStartReport
+from sits.runtime.instance_client import InstanceBackend
+from sits.runtime.unit_spec import UnitSpec
+
+log = logging.getLogger("sits.runtime")
+
+
+class InstanceState(str, enum.Enum):
+    STARTING = "STARTING"
+    WARMING = "WARMING"
+    READY = "READY"
+    DRAINING = "DRAINING"
+    STOPPED = "STOPPED"
+
+
+@dataclass
+class Instance:
+    id: str
+    unit: str
+    state: InstanceState = InstanceState.STARTING
+    backend: InstanceBackend | None = None
+    pid: int | None = None
+    requested_at: float = field(default_factory=time.monotonic)
+    ready_at: float | None = None
+    inflight: int = 0
+    report: dict = field(default_factory=dict)     # phases_ms incl. spawn; set when READY
+    error: str | None = None
+    task: asyncio.Task | None = None
+
+    def view(self) -> dict:
+        return {"id": self.id, "state": self.state.value, "pid": self.pid, "inflight": self.inflight,
+                "cold_start_ms": self.report.get("phases_ms", {}), "total_ms": self.report.get("total_ms"),
+                "error": self.error}
+
+
+class NoInstanceError(Exception):
+    pass
+
+
+class UnitPool:
+    def __init__(self, spec: UnitSpec, *, on_event: Callable[[str, dict], None] | None = None):
+        self.spec = spec
+        self.instances: list[Instance] = []
+        self.desired = 0
+        self._ids = itertools.count(1)
+        self._changed = asyncio.Event()
+        self._on_event = on_event or (lambda kind, data: None)
+        self.starts = 0
+        self.crashes = 0
+        self.last_report: dict = {}
+
+    # -- views ----------------------------------------------------------------------------------------
+    def ready(self) -> list[Instance]:
+        return [i for i in self.instances if i.state is InstanceState.READY and i.backend is not None
+                and i.backend.ready]
+
+    def starting(self) -> list[Instance]:
+        return [i for i in self.instances if i.state in (InstanceState.STARTING, InstanceState.WARMING)]
+
+    def live(self) -> list[Instance]:
+        """Instances that count towards the desired number (not draining, not stopped)."""
+        return [i for i in self.instances if i.state in (InstanceState.STARTING, InstanceState.WARMING,
+                                                         InstanceState.READY)]
+
+    def _notify(self) -> None:
+        ev, self._changed = self._changed, asyncio.Event()
+        ev.set()
+
+    # -- scaling --------------------------------------------------------------------------------------
+    def scale_to(self, n: int, reason: str = "") -> None:
+        self.desired = n
+        self.reconcile(reason)
+
+    def reconcile(self, reason: str = "") -> None:
+        """Start or drain instances until ``live`` matches ``desired``; drop dead ones."""
+        self.check_health()
+        live = self.live()
+        for _ in range(self.desired - len(live)):
+            self._start(reason)
+        if len(live) > self.desired:
+            # drain the ones that are least useful: still starting first, then the least loaded
+            order = sorted(live, key=lambda i: (i.state is InstanceState.READY, i.inflight))
+            for inst in order[:len(live) - self.desired]:
+                self._drain(inst, reason)
+
+    def check_health(self) -> None:
+        for inst in self.instances:
+            if inst.state is InstanceState.READY and inst.backend is not None and not inst.backend.ready:
+                inst.state = InstanceState.STOPPED
+                inst.error = "the instance process died"
+                self.crashes += 1
+                log.warning("unit %s: instance %s (pid %s) died; replacing it", self.spec.name, inst.id, inst.pid)
+                self._on_event("instance_crashed", {"instance": inst.id, "pid": inst.pid})
+                self._notify()
+        self.instances = [i for i in self.instances if i.state is not InstanceState.STOPPED]
+
+    def _start(self, reason: str) -> Instance:
+        inst = Instance(f"{self.spec.name}-{next(self._ids)}", self.spec.name)
+        self.instances.append(inst)
+        self.starts += 1
+        self._on_event("instance_starting", {"instance": inst.id, "reason": reason})
+        inst.task = asyncio.get_running_loop().create_task(self._run_start(inst), name=f"start-{inst.id}")
+        return inst
+
+    async def _run_start(self, inst: Instance) -> None:
+        t0 = time.monotonic()
+        marks: dict[str, float] = {}
+
+        def on_phase(phase: str, info: dict) -> None:
+            marks[phase] = time.monotonic()
+            if phase == "spawned":
+                inst.pid = info.get("pid")
+            if phase == "loading" and inst.state is InstanceState.STARTING:
+                inst.state = InstanceState.WARMING
+
+        try:
+            backend = await InstanceBackend.spawn(self.spec.engine_config(), self.spec.name, on_phase=on_phase)
+        except Exception as e:  # noqa: BLE001 - a failed start is reported and retried by reconcile
+            inst.state = InstanceState.STOPPED
+            inst.error = f"{type(e).__name__}: {e}"
+            log.error("unit %s: instance %s failed to start: %s", self.spec.name, inst.id, inst.error)
+            self._on_event("instance_failed", {"instance": inst.id, "error": inst.error})
+            self._notify()
+            return
+        if inst.state is InstanceState.DRAINING:       # scaled down while it was starting
+            await backend.shutdown()
+            inst.state = InstanceState.STOPPED
+            self._notify()
+            return
+        inst.backend = backend
+        phases = {"spawn": round((marks.get("loading", t0) - t0) * 1e3, 2)}
+        phases.update(backend.cold_start.get("phases_ms", {}))
+        inst.report = {"phases_ms": phases, "total_ms": round((time.monotonic() - t0) * 1e3, 2)}
+        self.last_report = inst.report
+        inst.state = InstanceState.READY
+        inst.ready_at = time.monotonic()
+        log.info("unit %s: instance %s READY in %.0f ms %s", self.spec.name, inst.id, inst.report["total_ms"],
+                 phases)
+        self._on_event("instance_ready", {"instance": inst.id, "cold_start": inst.report})
+        self._notify()
+
+    def _drain(self, inst: Instance, reason: str) -> None:
+        prev = inst.state
+        inst.state = InstanceState.DRAINING
+        self._on_event("instance_draining", {"instance": inst.id, "reason": reason})
+        if prev is InstanceState.READY:
+            asyncio.get_running_loop().create_task(self._finish_drain(inst))
+
+    async def _finish_drain(self, inst: Instance, grace_s: float = 30.0) -> None:
+        deadline = time.monotonic() + grace_s
+        while inst.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if inst.backend is not None:
+            await inst.backend.shutdown()
+        inst.state = InstanceState.STOPPED
+        self._on_event("instance_stopped", {"instance": inst.id})
+        self._notify()
+
+    # -- requests -------------------------------------------------------------------------------------
+    async def acquire(self, on_wait: Callable[[], None] | None = None) -> Instance:
+        """A READY instance (the least loaded); waits while there is none."""
+        asked = False
+        while True:
+            self.check_health()
+            ready = self.ready()
+            if ready:
+                return min(ready, key=lambda i: i.inflight)
+            if not asked and on_wait is not None:
+                on_wait()
+                asked = True
+            await self._changed.wait()
+
+    async def shutdown(self) -> None:
+        self.desired = 0
+        tasks = [i.task for i in self.instances if i.task is not None and not i.task.done()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for inst in self.instances:
+            if inst.backend is not None and inst.state is not InstanceState.STOPPED:
+                await inst.backend.shutdown()
+            inst.state = InstanceState.STOPPED
+        self.instances = []
+
+    @property
+    def cold_start(self) -> ColdStartReport:
+        return ColdStartReport.from_dict(self.last_report)
