@@ -8,7 +8,7 @@ MODEL_PRESET ?= tiny
 MODEL_TRAIN_SECONDS ?= 120
 BENCH_MODEL_DIR ?= models/small
 
-.PHONY: install run generate test test-slow bench bench-serve model clean
+.PHONY: install run serve generate test test-slow bench bench-serve model clean
 
 install: $(STAMP)
 
@@ -28,8 +28,13 @@ model: $(MODEL_DIR)/config.json
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-# starts the HTTP server with the default model; it prints curl and openai-client examples when ready
+# starts the gateway with the units of sits.yaml (the embedded default unit serves models/default);
+# it prints how to call it with curl and with the openai client
 run: install model
+	$(VENV)/bin/sits up --config sits.yaml --host $(HOST) --port $(PORT)
+
+# one engine behind the HTTP API, no runtime
+serve: install model
 	$(VENV)/bin/sits serve --model $(MODEL_DIR) --served-model-name default --host $(HOST) --port $(PORT)
 
 generate: install model

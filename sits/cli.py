@@ -22,6 +22,27 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warmup", action="store_true", help="skip multi-level warm-up")
 
 
+def _add_http_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", action="append", help="accepted Bearer key (repeatable; env SITS_API_KEY)")
+    p.add_argument("--api-keys-file", default=None, help="file with one accepted key per line")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--webhook-secret", default=None, help="sign webhook POSTs (env SITS_WEBHOOK_SECRET)")
+    p.add_argument("--request-retention-s", type=float, default=600.0,
+                   help="how long finished /v1/requests stay readable")
+    p.add_argument("--drain-grace-s", type=float, default=10.0,
+                   help="on shutdown, in-flight streams get this long to finish")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=os.environ.get("SITS_URL", "http://127.0.0.1:8000"),
+                   help="the gateway (default http://127.0.0.1:8000; env SITS_URL)")
+    p.add_argument("--api-key", default=os.environ.get("SITS_API_KEY"), help="Bearer key (env SITS_API_KEY)")
+    p.add_argument("--timeout", type=float, default=600.0)
+
+
 def _engine_config(args: argparse.Namespace):
     from sits.engine.config import EngineConfig
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
@@ -80,16 +101,95 @@ def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from sits.api.context import ServerSettings
     from sits.api.server import serve
-    settings = ServerSettings(api_keys=_api_keys(args), max_body_bytes=args.max_body_bytes,
-                              webhook_secret=args.webhook_secret or os.environ.get("SITS_WEBHOOK_SECRET"),
-                              request_retention_s=args.request_retention_s, drain_grace_s=args.drain_grace_s)
+    settings = _server_settings(args)
     cfg = _engine_config(args)
     if args.max_model_len:
         cfg.max_model_len = args.max_model_len
     return serve(cfg, settings, host=args.host, port=args.port, served_name=args.served_model_name,
                  log_level=args.log_level, engine_mode=args.engine)
+
+
+def _server_settings(args: argparse.Namespace):
+    from sits.api.context import ServerSettings
+    return ServerSettings(api_keys=_api_keys(args), max_body_bytes=args.max_body_bytes,
+                          webhook_secret=args.webhook_secret or os.environ.get("SITS_WEBHOOK_SECRET"),
+                          request_retention_s=args.request_retention_s, drain_grace_s=args.drain_grace_s)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from sits.api.gateway_server import up
+    from sits.runtime.unit_spec import load_runtime_config
+    config = args.config
+    if config is None and os.path.exists("sits.yaml"):
+        config = "sits.yaml"
+    units = load_runtime_config(config).units if config else []
+    return up(units, _server_settings(args), data_dir=args.data_dir, host=args.host, port=args.port,
+              log_level=args.log_level)
+
+
+def _control(args: argparse.Namespace, method: str, path: str, body=None):
+    import httpx
+    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        r = httpx.request(method, args.url.rstrip("/") + path, json=body, headers=headers, timeout=args.timeout)
+    except httpx.HTTPError as e:
+        raise SitsError(f"cannot reach the gateway at {args.url}: {e}", code="gateway_unreachable") from None
+    data = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+    if r.status_code >= 400:
+        err = data.get("error") or {}
+        raise SitsError(err.get("message") or f"HTTP {r.status_code}", code=err.get("code") or "http_error")
+    return data
+
+
+def _instances_summary(u: dict) -> str:
+    counts: dict[str, int] = {}
+    for i in u["instances"]:
+        counts[i["state"]] = counts.get(i["state"], 0) + 1
+    return ", ".join(f"{n} {st}" for st, n in counts.items()) or "0"
+
+
+def cmd_iu(args: argparse.Namespace) -> int:
+    from sits.runtime.unit_spec import load_unit_file
+    if args.iu_command == "deploy":
+        spec = load_unit_file(args.file)
+        u = _control(args, "POST", "/v1/units", spec.model_dump())
+        print(f"deployed {u['name']} ({u['model']}); instances: {_instances_summary(u)}, desired {u['desired']}")
+    elif args.iu_command == "list":
+        for u in _control(args, "GET", "/v1/units")["data"]:
+            sc = u["spec"]["scale"]
+            print(f"{u['name']:<20} instances {_instances_summary(u):<20} desired {u['desired']} "
+                  f"(min {sc['min_instances']}, max {sc['max_instances']})  model {u['model']}")
+    elif args.iu_command == "delete":
+        _control(args, "DELETE", f"/v1/units/{args.name}")
+        print(f"deleted {args.name}")
+    elif args.iu_command == "scale":
+        u = _control(args, "POST", f"/v1/units/{args.name}/scale", {"instances": args.instances})
+        print(f"{u['name']}: desired {u['desired']}; instances: {_instances_summary(u)}")
+    return 0
+
+
+def _fmt(v, spec: str = ".0f", unit: str = "") -> str:
+    return "-" if v is None else f"{v:{spec}}{unit}"
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    st = _control(args, "GET", "/v1/status")
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    print(f"{'unit':<16} {'desired':>7}  {'instances':<22} {'waiting':>7} {'ttft p95':>9} {'itl p95':>8} "
+          f"{'rps':>6} {'health':>6}  cold start  last decision")
+    for u in st["units"]:
+        m, d = u["metrics"], u["last_decision"] or {}
+        cold = u["cold_start"].get("total_ms")
+        print(f"{u['name']:<16} {u['desired']:>7}  {_instances_summary(u):<22} {u['waiting']:>7} "
+              f"{_fmt(m['ttft_p95_ms'], '.0f', 'ms'):>9} {_fmt(m['itl_p95_ms'], '.0f', 'ms'):>8} {m['rps']:>6.2f} "
+              f"{_fmt(u['slo_health'], '.2f'):>6}  {_fmt(cold, '.0f', ' ms'):>10}  {d.get('reason', '-')}")
+        phases = u["cold_start"].get("phases_ms") or {}
+        if phases:
+            print("    last cold start: " + ", ".join(f"{k} {v:.0f}ms" for k, v in phases.items()))
+    return 0
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
@@ -147,22 +247,37 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve one model over HTTP (OpenAI + SITS dialects)")
     _add_engine_args(srv)
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
+    _add_http_args(srv)
     srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: dir name)")
     srv.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
-    srv.add_argument("--api-key", action="append", help="accepted Bearer key (repeatable; env SITS_API_KEY)")
-    srv.add_argument("--api-keys-file", default=None, help="file with one accepted key per line")
-    srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
-    srv.add_argument("--webhook-secret", default=None, help="sign webhook POSTs (env SITS_WEBHOOK_SECRET)")
-    srv.add_argument("--request-retention-s", type=float, default=600.0,
-                     help="how long finished /v1/requests stay readable")
-    srv.add_argument("--drain-grace-s", type=float, default=10.0,
-                     help="on shutdown, in-flight streams get this long to finish")
-    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     srv.add_argument("--engine", default="process", choices=["process", "thread"],
                      help="run the engine in its own process (default) or in a thread of the server")
     srv.set_defaults(func=cmd_serve)
+
+    upp = sub.add_parser("up", help="start the gateway with its units (the serverless runtime)")
+    upp.add_argument("--config", default=None, help="YAML with `units: [...]` (default: ./sits.yaml if present)")
+    upp.add_argument("--data-dir", default=os.environ.get("SITS_DATA_DIR", ".sits"),
+                     help="where the deployed units are persisted (default .sits; env SITS_DATA_DIR)")
+    _add_http_args(upp)
+    upp.set_defaults(func=cmd_up)
+
+    iu = sub.add_parser("iu", help="manage the units of a running gateway").add_subparsers(dest="iu_command",
+                                                                                         required=True)
+    dep = iu.add_parser("deploy", help="deploy (or replace) a unit from its YAML file")
+    dep.add_argument("--file", required=True)
+    iu.add_parser("list", help="deployed units and their instances")
+    de = iu.add_parser("delete", help="delete a unit (its instances drain and stop)")
+    de.add_argument("name")
+    scl = iu.add_parser("scale", help="set a unit's instance count now (the autoscaler carries on from there)")
+    scl.add_argument("name")
+    scl.add_argument("instances", type=int)
+    for p in iu.choices.values():
+        _add_client_args(p)
+        p.set_defaults(func=cmd_iu)
+    stp = sub.add_parser("status", help="units, instances, SLO health, cold starts and scaling decisions")
+    stp.add_argument("--json", action="store_true")
+    _add_client_args(stp)
+    stp.set_defaults(func=cmd_status)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     be = bench.add_parser("engine", help="engine benchmarks: bursty fcfs vs pfsd, decode vs HF, prefix cache")

@@ -87,3 +87,61 @@ def test_serve_starts_answers_and_stops_cleanly(tiny_model_dir):
         rc = proc.wait(60)
     assert rc in (0, 130), "".join(stderr)     # 130: uvicorn re-raises SIGINT after its graceful shutdown
     assert "Traceback" not in "".join(stderr)
+
+
+def test_up_iu_and_status_drive_a_running_gateway(tiny_model_dir, tmp_path):
+    """`sits up` with a config, then `sits iu deploy/list/scale/delete` and `sits status` against it."""
+    import signal
+    import threading
+    import time
+
+    import httpx
+
+    from conftest import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    res = '{device: cpu, kv_cache_mb: 16, max_model_len: 256, warmup: false, threads: 1}'
+    (tmp_path / "sits.yaml").write_text(
+        f"units:\n  - name: main\n    model: {tiny_model_dir}\n    scale: {{min_instances: 1}}\n    resources: {res}\n")
+    (tmp_path / "extra.yaml").write_text(f"name: extra\nmodel: {tiny_model_dir}\nresources: {res}\n")
+    (tmp_path / "broken.yaml").write_text(f"name: broken\nmodel: {tiny_model_dir}\nscale:\n  max_instance: 2\n")
+    proc = subprocess.Popen([sys.executable, "-m", "sits.cli", "up", "--config", str(tmp_path / "sits.yaml"),
+                             "--port", str(port), "--data-dir", str(tmp_path / "data"), "--log-level", "warning"],
+                            stderr=subprocess.PIPE, text=True)
+    stderr: list[str] = []
+    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 120
+        while True:                      # min_instances: 1 -> a READY instance without any request
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(stderr)
+            try:
+                u = httpx.get(url + "/v1/units/main", timeout=2).json()
+                if [i["state"] for i in u.get("instances", [])] == ["READY"]:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        cli = ("--url", url)
+        r = _sits("iu", "deploy", "--file", str(tmp_path / "extra.yaml"), *cli)
+        assert r.returncode == 0 and "deployed extra" in r.stdout, r.stderr
+        r = _sits("iu", "deploy", "--file", str(tmp_path / "broken.yaml"), *cli)
+        assert r.returncode == 2 and "broken.yaml:4:3: scale.max_instance: unknown field" in r.stderr
+        r = _sits("iu", "scale", "extra", "1", *cli)
+        assert r.returncode == 0 and "desired 1" in r.stdout
+        r = _sits("iu", "list", *cli)
+        assert "main" in r.stdout and "extra" in r.stdout
+        c = httpx.post(url + "/v1/completions", json={"model": "extra", "prompt": "x", "max_tokens": 2}, timeout=120)
+        assert c.status_code == 200
+        r = _sits("status", *cli)
+        assert r.returncode == 0 and "last cold start: spawn" in r.stdout and "main" in r.stdout
+        assert json.loads(_sits("status", "--json", *cli).stdout)["units"][0]["name"] == "main"
+        r = _sits("iu", "delete", "extra", *cli)
+        assert r.returncode == 0
+        r = _sits("iu", "delete", "extra", *cli)
+        assert r.returncode == 2 and "unit_not_found" in r.stderr
+        assert "curl -s" in "".join(stderr) and "OpenAI(base_url=" in "".join(stderr)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(60)
+    assert rc in (0, 130) and "Traceback" not in "".join(stderr), "".join(stderr)

@@ -20,7 +20,7 @@ from sits.api import control_routes
 from sits.api.app import create_app
 from sits.api.backend import BackendRegistry
 from sits.api.context import ServerSettings
-from sits.api.server import DrainingServer
+from sits.api.server import DrainingServer, usage_banner
 from sits.runtime.gateway import Gateway
 from sits.runtime.unit_spec import UnitSpec
 
@@ -86,9 +86,13 @@ def up(config_units: list[UnitSpec], settings: ServerSettings, *, data_dir: str,
                                 access_log=False)
         server = DrainingServer(config, app, settings.drain_grace_s)
         names = ", ".join(u.name for u in config_units) or "the persisted units"
-        print(f"SITS gateway at http://{host}:{port} (units: {names}; data: {data_dir})\n"
-              f"  sits status --url http://{host}:{port}    sits iu list    "
-              f"curl http://{host}:{port}/v1/models", file=sys.stderr, flush=True)
+        print(f"SITS gateway at http://{host}:{port} (units: {names}; data: {data_dir})", file=sys.stderr)
+        if config_units:
+            key = settings.api_keys[0] if settings.api_keys else None
+            print(usage_banner(config_units[0].name, host, port, key).replace("SITS is serving", "Unit"),
+                  file=sys.stderr)
+        print(f"  sits status --url http://{host}:{port}      sits iu list      "
+              f"sits iu deploy --file examples/chat-unit.yaml\n", file=sys.stderr, flush=True)
         await server.serve()
 
     asyncio.run(main())
