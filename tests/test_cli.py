@@ -134,7 +134,7 @@ def test_up_iu_and_status_drive_a_running_gateway(tiny_model_dir, tmp_path):
         c = httpx.post(url + "/v1/completions", json={"model": "extra", "prompt": "x", "max_tokens": 2}, timeout=120)
         assert c.status_code == 200
         r = _sits("status", *cli)
-        assert r.returncode == 0 and "last cold start: spawn" in r.stdout and "main" in r.stdout
+        assert r.returncode == 0 and "last cold start: fork" in r.stdout and "main" in r.stdout
         assert json.loads(_sits("status", "--json", *cli).stdout)["units"][0]["name"] == "main"
         r = _sits("iu", "delete", "extra", *cli)
         assert r.returncode == 0

@@ -68,7 +68,8 @@ def test_unit_starts_at_zero_and_a_request_cold_starts_it(gateway):
     assert states(srv, "chat") == ["READY"]
     view = httpx.get(srv.url + "/v1/units/chat").json()
     phases = view["instances"][0]["cold_start_ms"]
-    assert {"spawn", "weights", "tokenizer", "kv_allocation"} <= set(phases)
+    assert {"fork", "weights", "tokenizer", "kv_allocation"} <= set(phases)
+    assert phases["fork"] < 1500          # forked from the pre-imported zygote, not a fresh interpreter
     assert view["starts"] == 1 and view["desired"] == 1
     events = [e["event"] for e in httpx.get(srv.url + "/v1/status").json()["events"] if e["unit"] == "chat"]
     assert "scale" in events and "instance_ready" in events
@@ -77,7 +78,7 @@ def test_unit_starts_at_zero_and_a_request_cold_starts_it(gateway):
     assert time.monotonic() - t0 < cold_s              # warm is faster than cold
     metrics = httpx.get(srv.url + "/metrics").text
     assert 'sits:unit_instances{state="READY",unit="chat"} 1.0' in metrics
-    assert 'sits:cold_start_phase_milliseconds{model_name="chat",phase="spawn"}' in metrics
+    assert 'sits:cold_start_phase_milliseconds{model_name="chat",phase="fork"}' in metrics
 
 
 def test_both_dialects_and_bad_input_through_the_gateway(gateway):

@@ -30,6 +30,7 @@ from sits.runtime.unit_metrics import MetricsWindow
 from sits.runtime.unit_pool import UnitPool
 from sits.runtime.unit_spec import UnitSpec
 from sits.runtime.unit_store import UnitStore
+from sits.runtime.zygote import ZygoteClient
 
 log = logging.getLogger("sits.runtime")
 
@@ -55,7 +56,8 @@ class UnitBackend:
                                           block_size=16, num_kv_blocks=1 << 30)
         self.kv_capacity_tokens = self.max_model_len
         self.gateway = gateway
-        self.pool = UnitPool(spec, on_event=lambda kind, data: gateway.record(spec.name, kind, data))
+        self.pool = UnitPool(spec, on_event=lambda kind, data: gateway.record(spec.name, kind, data),
+                             launcher=gateway.launcher)
         self.autoscaler = Autoscaler(spec.scale, spec.slo)
         self.window = MetricsWindow(spec.scale.window_s)
         self.waiting = 0
@@ -179,14 +181,21 @@ class UnitBackend:
 
 
 class Gateway:
-    def __init__(self, data_dir: str | Path, *, tick_s: float = 1.0):
+    def __init__(self, data_dir: str | Path, *, tick_s: float = 1.0, zygote: bool = True):
         self.data_dir = Path(data_dir)
+        self.use_zygote = zygote
+        self.zygote: ZygoteClient | None = None
         self.store = UnitStore(self.data_dir)
         self.units: dict[str, UnitBackend] = {}
         self.tick_s = tick_s
         self.events: collections.deque[dict] = collections.deque(maxlen=1000)
         self.decisions: collections.Counter = collections.Counter()
         self._loop_task: asyncio.Task | None = None
+
+    def launcher(self):
+        """How instances start now: forked from the zygote while it lives, else a fresh interpreter."""
+        z = self.zygote
+        return z.fork if z is not None and z.alive else None
 
     def record(self, unit: str, kind: str, data: dict) -> None:
         self.events.append({"time": time.time(), "unit": unit, "event": kind, **data})
@@ -235,7 +244,14 @@ class Gateway:
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self, config_units: list[UnitSpec]) -> None:
-        """Deploy the persisted units, then the config's (which win on a name clash), then tick."""
+        """Start the zygote; deploy the persisted units, then the config's (which win on a name clash); tick."""
+        if self.use_zygote:
+            try:
+                self.zygote = await ZygoteClient.start()
+                self.record("", "zygote_ready", {"pid": self.zygote.info["pid"],
+                                                 "preload_ms": self.zygote.info["preload_ms"]})
+            except Exception as e:  # noqa: BLE001 - instances still start, from fresh interpreters
+                log.error("zygote failed to start (%s); instances will start from fresh processes", e)
         by_name = {u.name: u for u in self.store.all()}
         for u in config_units:
             by_name[u.name] = u
@@ -264,6 +280,8 @@ class Gateway:
         for name in list(self.units):
             backend = self.units.pop(name)
             await backend.pool.shutdown()
+        if self.zygote is not None:
+            await self.zygote.shutdown()
         self.store.close()
 
     def status(self) -> dict:

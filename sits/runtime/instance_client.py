@@ -62,17 +62,26 @@ class InstanceBackend:
     # -- start ----------------------------------------------------------------------------------------
     @classmethod
     async def spawn(cls, cfg: EngineConfig, name: str | None = None, *, start_timeout_s: float = 600.0,
-                    stderr=None, on_phase=None) -> "InstanceBackend":
+                    stderr=None, on_phase=None, launcher=None) -> "InstanceBackend":
         """Start an instance process for ``cfg`` and return once its engine is loaded and warm.
 
         ``on_phase(phase, info)`` is told ``"spawned"`` (process started, ``pid``), ``"loading"`` (the
         process is up and answering: imports done, weights next) and nothing more: the return is READY.
+        ``launcher(socket_path, config_dict)`` starts the process (default: a fresh interpreter; the
+        runtime passes its zygote's fork) and returns a handle with ``pid``, ``poll``, ``wait``, ``kill``.
         """
         name = name or os.path.basename(os.path.normpath(str(cfg.model)))
         sock_dir = tempfile.mkdtemp(prefix="sits-instance-")
         path = os.path.join(sock_dir, "engine.sock")
-        proc = subprocess.Popen([sys.executable, "-m", "sits.runtime.instance_worker", "--socket", path,
-                                 "--config", json.dumps(asdict(cfg))], stdin=subprocess.DEVNULL, stderr=stderr)
+        if launcher is None:
+            proc = subprocess.Popen([sys.executable, "-m", "sits.runtime.instance_worker", "--socket", path,
+                                     "--config", json.dumps(asdict(cfg))], stdin=subprocess.DEVNULL, stderr=stderr)
+        else:
+            try:
+                proc = await launcher(path, asdict(cfg))
+            except BaseException:
+                shutil.rmtree(sock_dir, ignore_errors=True)
+                raise
         if on_phase is not None:
             on_phase("spawned", {"pid": proc.pid})
         try:
@@ -89,7 +98,7 @@ class InstanceBackend:
             tokenizer = await tokenizer_task
         except BaseException:
             proc.kill()
-            proc.wait()
+            await asyncio.to_thread(proc.wait)
             shutil.rmtree(sock_dir, ignore_errors=True)
             raise
         return cls(name, cfg, proc, reader, writer, msg[1], tokenizer, sock_dir)

@@ -58,8 +58,11 @@ class NoInstanceError(Exception):
 
 
 class UnitPool:
-    def __init__(self, spec: UnitSpec, *, on_event: Callable[[str, dict], None] | None = None):
+    def __init__(self, spec: UnitSpec, *, on_event: Callable[[str, dict], None] | None = None,
+                 launcher: Callable[[], object | None] | None = None):
+        """``launcher()`` returns the current instance launcher (the zygote's fork) or None (fresh process)."""
         self.spec = spec
+        self._launcher = launcher or (lambda: None)
         self.instances: list[Instance] = []
         self.desired = 0
         self._ids = itertools.count(1)
@@ -133,8 +136,11 @@ class UnitPool:
             if phase == "loading" and inst.state is InstanceState.STARTING:
                 inst.state = InstanceState.WARMING
 
+        launcher = self._launcher()
+        how = "fork" if launcher is not None else "spawn"
         try:
-            backend = await InstanceBackend.spawn(self.spec.engine_config(), self.spec.name, on_phase=on_phase)
+            backend = await InstanceBackend.spawn(self.spec.engine_config(), self.spec.name, on_phase=on_phase,
+                                                  launcher=launcher)
         except Exception as e:  # noqa: BLE001 - a failed start is reported and retried by reconcile
             inst.state = InstanceState.STOPPED
             inst.error = f"{type(e).__name__}: {e}"
@@ -148,7 +154,8 @@ class UnitPool:
             self._notify()
             return
         inst.backend = backend
-        phases = {"spawn": round((marks.get("loading", t0) - t0) * 1e3, 2)}
+        # fork/spawn: request -> the new process answering (interpreter start and imports included)
+        phases = {how: round((marks.get("loading", t0) - t0) * 1e3, 2)}
         phases.update(backend.cold_start.get("phases_ms", {}))
         inst.report = {"phases_ms": phases, "total_ms": round((time.monotonic() - t0) * 1e3, 2)}
         self.last_report = inst.report

@@ -1,0 +1,242 @@
+"""The zygote: a long-lived process that has already imported torch, the model code and the
+tokenizer library, and forks instance processes on request.
+
+A cold start from a fresh interpreter spends most of its time importing (≈2 s for torch and
+friends on a small CPU host); a fork of the zygote starts with all of that in memory, shared
+copy-on-write, so an instance pays only for weights (memory-mapped), KV allocation and warm-up.
+The zygote never runs a torch operation, so no intra-op thread pool exists when it forks (OpenMP
+pools do not survive a fork); each child sets up its own.
+
+Protocol (frames of ``sits.runtime.wire`` over a Unix socket, one client): ``("fork", socket_path,
+engine_config_dict)`` → ``("forked", pid)`` or ``("fork_failed", message)``; the zygote reaps its
+children and reports ``("exited", pid, returncode)``.
+
+    python -m sits.runtime.zygote --socket PATH
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from sits.runtime.wire import FrameDecoder, encode, read_frame, send_blocking
+
+PRELOAD = ("torch", "safetensors", "tokenizers", "jinja2", "sits.engine.llm_engine", "sits.engine.models.llama",
+           "sits.runtime.instance_worker")
+
+
+def preload() -> float:
+    t0 = time.perf_counter()
+    import importlib
+    for mod in PRELOAD:
+        importlib.import_module(mod)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _child(sock_path: str, cfg: dict, fds_to_close: list[socket.socket]) -> None:
+    for s in fds_to_close:
+        s.close()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    code = 1
+    try:
+        from sits.runtime.instance_worker import serve_instance
+        code = serve_instance(cfg, sock_path)
+    except (BrokenPipeError, ConnectionResetError):
+        code = 0
+    except BaseException:  # noqa: BLE001 - the child must never return into the zygote's loop
+        import traceback
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def serve_zygote(control_path: str) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    preload_ms = preload()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(control_path)
+    os.chmod(control_path, 0o600)
+    listener.listen(1)
+    conn, _ = listener.accept()
+    send_blocking(conn, ("hello", {"pid": os.getpid(), "preload_ms": round(preload_ms, 1)}))
+    decoder = FrameDecoder()
+    children: set[int] = set()
+    while True:
+        readable, _, _ = select.select([conn], [], [], 0.2)
+        if readable:
+            data = conn.recv(1 << 16)
+            if not data:
+                break                       # the gateway is gone: so are we (children see their own EOF)
+            for msg in decoder.feed(data):
+                if msg[0] == "fork":
+                    _, sock_path, cfg = msg
+                    try:
+                        pid = os.fork()
+                    except OSError as e:
+                        send_blocking(conn, ("fork_failed", str(e)))
+                        continue
+                    if pid == 0:
+                        _child(sock_path, cfg, [conn, listener])
+                    children.add(pid)
+                    send_blocking(conn, ("forked", pid))
+                elif msg[0] == "shutdown":
+                    return 0
+        for pid in list(children):
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                children.discard(pid)
+                continue
+            if done:
+                children.discard(pid)
+                send_blocking(conn, ("exited", pid, os.waitstatus_to_exitcode(status)))
+    return 0
+
+
+class ForkedProcess:
+    """A zygote child, handled like ``subprocess.Popen`` (poll, wait, kill) by its non-parent."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+        self._exited = threading.Event()
+
+    def _set_exit(self, code: int) -> None:
+        self.returncode = code
+        self._exited.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if not self._exited.wait(timeout):
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+        return self.returncode
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def send_signal(self, sig: int) -> None:
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+class ZygoteClient:
+    """The gateway's handle on its zygote: ``await fork(socket_path, cfg)`` is an instance launcher."""
+
+    def __init__(self, proc: subprocess.Popen, reader, writer, info: dict, sock_dir: str):
+        self.proc = proc
+        self.info = info
+        self._reader, self._writer = reader, writer
+        self._sock_dir = sock_dir
+        self._pending: asyncio.Queue = asyncio.Queue()       # fork replies, in order
+        self._children: dict[int, ForkedProcess] = {}
+        self._lock = asyncio.Lock()
+        self.alive = True
+        self._task = asyncio.get_running_loop().create_task(self._read_loop(), name="zygote-reader")
+
+    @classmethod
+    async def start(cls, timeout_s: float = 120.0) -> "ZygoteClient":
+        sock_dir = tempfile.mkdtemp(prefix="sits-zygote-")
+        path = os.path.join(sock_dir, "zygote.sock")
+        proc = subprocess.Popen([sys.executable, "-m", "sits.runtime.zygote", "--socket", path],
+                                stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the zygote exited with {proc.returncode}")
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("the zygote did not start")
+            if os.path.exists(path):
+                try:
+                    reader, writer = await asyncio.open_unix_connection(path)
+                    break
+                except (ConnectionRefusedError, FileNotFoundError):
+                    pass
+            await asyncio.sleep(0.02)
+        hello = await asyncio.wait_for(read_frame(reader), timeout_s)
+        return cls(proc, reader, writer, hello[1], sock_dir)
+
+    async def fork(self, sock_path: str, cfg: dict) -> ForkedProcess:
+        if not self.alive:
+            raise RuntimeError("the zygote is gone")
+        async with self._lock:           # replies come back in request order
+            self._writer.write(encode(("fork", sock_path, cfg)))
+            reply = await self._pending.get()
+        if isinstance(reply, BaseException):
+            raise reply
+        if reply[0] != "forked":
+            raise RuntimeError(f"zygote could not fork: {reply[1]}")
+        child = ForkedProcess(reply[1])
+        self._children[child.pid] = child
+        return child
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = await read_frame(self._reader)
+                if msg[0] == "exited":
+                    child = self._children.pop(msg[1], None)
+                    if child is not None:
+                        child._set_exit(msg[2])
+                else:
+                    self._pending.put_nowait(msg)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        finally:
+            self.alive = False
+            self._pending.put_nowait(RuntimeError("the zygote is gone"))
+            for child in self._children.values():   # no one reaps them now; report them as unknown
+                if child.returncode is None:
+                    threading.Thread(target=_reap_orphan, args=(child,), daemon=True).start()
+
+    async def shutdown(self) -> None:
+        self.alive = False
+        try:
+            self._writer.write(encode(("shutdown",)))
+            await asyncio.wait_for(asyncio.to_thread(self.proc.wait), 10)
+        except (TimeoutError, ConnectionError, RuntimeError):
+            self.proc.kill()
+        self._task.cancel()
+        import shutil
+        shutil.rmtree(self._sock_dir, ignore_errors=True)
+
+
+def _reap_orphan(child: ForkedProcess) -> None:
+    while True:
+        try:
+            os.kill(child.pid, 0)
+        except ProcessLookupError:
+            child._set_exit(-1)
+            return
+        time.sleep(0.2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="SITS zygote: forks pre-imported instance processes")
+    ap.add_argument("--socket", required=True)
+    args = ap.parse_args(argv)
+    return serve_zygote(args.socket)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
