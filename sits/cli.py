@@ -220,6 +220,15 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 1 if any(lv["errors"] for lv in levels) else 0
 
 
+def cmd_bench_coldstart(args: argparse.Namespace) -> int:
+    from sits.bench.coldstart_bench import run_coldstart_bench
+    r = run_coldstart_bench(args.model, repeats=args.repeats, json_out=args.json, docs_out=args.write_docs,
+                            threads=args.threads, skip_naive=args.skip_naive, warmup=args.warmup)
+    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
+                      if not k.endswith("_runs_ms")}, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sits", description="SITS: a serverless runtime for LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -289,6 +298,15 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--threads", type=int, default=None)
     be.add_argument("--repeats", type=int, default=None, help="runs per figure, median reported (default 3; 1 with --quick)")
     be.set_defaults(func=cmd_bench_engine)
+    bc = bench.add_parser("coldstart", help="no instance -> first token: naive transformers vs SITS cold vs warm")
+    bc.add_argument("--model", required=True)
+    bc.add_argument("--repeats", type=int, default=5)
+    bc.add_argument("--threads", type=int, default=None)
+    bc.add_argument("--warmup", default="all", choices=["all", "minimal", "false"], help="the unit's warm-up")
+    bc.add_argument("--skip-naive", action="store_true", help="SITS cold/warm only (no transformers baseline)")
+    bc.add_argument("--json", default=None)
+    bc.add_argument("--write-docs", default=None)
+    bc.set_defaults(func=cmd_bench_coldstart)
     bs = bench.add_parser("serve", help="concurrent streaming clients over HTTP; TTFT/ITL/e2e and server overhead")
     where = bs.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="a running server (e.g. http://127.0.0.1:8000)")

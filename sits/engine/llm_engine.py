@@ -119,7 +119,8 @@ class LLMEngine:
         self.num_steps = 0
         if cfg.warmup:
             run_warmup(self.runner, self.pool, self.report, max_batched_tokens=cfg.max_num_batched_tokens,
-                       max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len, threads=self.threads)
+                       max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len, threads=self.threads,
+                       minimal=cfg.warmup_shapes == "minimal")
         self.report.ready_at = time.monotonic()
 
     # -- requests -------------------------------------------------------------------------------

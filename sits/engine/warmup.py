@@ -50,7 +50,9 @@ def _dummy_batch(pool: BlockPool, lengths: list[int], vocab: int) -> list[Sequen
 
 
 def run_warmup(runner: ModelRunner, pool: BlockPool, report: ColdStartReport, *, max_batched_tokens: int,
-               max_num_seqs: int, max_model_len: int, threads: int) -> None:
+               max_num_seqs: int, max_model_len: int, threads: int, minimal: bool = False) -> None:
+    """``minimal``: one small prefill and one single decode instead of every bucket (for cold starts,
+    where the first request is waiting; the other shapes then pay their one-time cost on first use)."""
     vocab = runner.model.config.vocab_size
     with report.phase("warmup_model"):
         _page_in(runner.model)
@@ -59,12 +61,16 @@ def run_warmup(runner: ModelRunner, pool: BlockPool, report: ColdStartReport, *,
         a = torch.randn(256, 256)
         (a @ a).sum()                                   # spins up the intra-op thread pool
     with report.phase("warmup_operator"), torch.inference_mode():
-        for n in prefill_buckets(max_batched_tokens, max_model_len):
+        prefills = prefill_buckets(max_batched_tokens, max_model_len)
+        decodes = decode_buckets(max_num_seqs)
+        if minimal:
+            prefills, decodes = prefills[:1], decodes[:1]
+        for n in prefills:
             seqs = _dummy_batch(pool, [n], vocab)
             if seqs:
                 runner.model.compute_logits(runner.model(*_flat(runner, seqs, [n])))
                 pool.release(seqs[0].block_table)
-        for b in decode_buckets(max_num_seqs):
+        for b in decodes:
             # Decode shape: one new token after a short context already in the cache.
             seqs = _dummy_batch(pool, [17] * b, vocab)
             if not seqs:

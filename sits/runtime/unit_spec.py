@@ -75,7 +75,8 @@ class ResourcesSpec(_Strict):
     max_model_len: int | None = Field(None, ge=16)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     policy: Literal["pfsd", "fcfs"] = "pfsd"
-    warmup: bool = True
+    warmup: bool | Literal["all", "minimal"] = Field(
+        "all", description="warm-up at start: all serving shapes, minimal (one prefill, one decode), or false")
 
     @field_validator("kv_blocks")
     @classmethod
@@ -107,7 +108,9 @@ class UnitSpec(_Strict):
         r = self.resources
         return EngineConfig(model=self.model, device=r.device, dtype=r.dtype, threads=r.threads, policy=r.policy,
                             num_kv_blocks=None if r.kv_blocks == "auto" else r.kv_blocks,
-                            kv_cache_memory_mb=r.kv_cache_mb, max_model_len=r.max_model_len, warmup=r.warmup)
+                            kv_cache_memory_mb=r.kv_cache_mb, max_model_len=r.max_model_len,
+                            warmup=r.warmup is not False,
+                            warmup_shapes="minimal" if r.warmup == "minimal" else "all")
 
     def render_prompt(self, user_input: str) -> str:
         if self.prompt_template is None:

@@ -1,0 +1,161 @@
+"""``sits bench coldstart``: from "no instance" to the first token, against what a plain serverless
+function does, in the same run, same model and prompt.
+
+- ``naive``: a fresh Python process imports transformers, loads the model with ``from_pretrained``,
+  loads the tokenizer and generates one token; timed from process start to that token.
+- ``sits_cold``: a request to a unit at zero instances on a running gateway (``sits up``, zygote
+  up), timed from sending it to its first streamed token; the unit is scaled back to zero after.
+- ``sits_warm``: the same request to a READY instance.
+
+Medians of ``--repeats`` starts each (≥ 5 by default), the phase breakdown of the SITS cold starts
+(fork, weights, tokenizer, KV allocation, warm-up), and a markdown section with the command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from sits.bench.common import log, write_docs
+
+DOC_BEGIN = "<!-- sits bench coldstart: begin -->"
+DOC_END = "<!-- sits bench coldstart: end -->"
+PROMPT = "The Python language reference says that"
+
+NAIVE = r"""
+import sys, time
+t0 = time.time()
+from transformers import AutoModelForCausalLM, AutoTokenizer
+import torch
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32)
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+ids = tok(sys.argv[2], return_tensors="pt").input_ids
+with torch.no_grad():
+    out = model.generate(ids, max_new_tokens=1, do_sample=False)
+print(f"TOKEN {time.time():.6f} {out[0, -1].item()}", flush=True)
+"""
+
+
+def naive_once(model_dir: str) -> float:
+    """Milliseconds from launching the process to its first generated token."""
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-c", NAIVE, model_dir, PROMPT], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"})
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("TOKEN ")), None)
+    if line is None:
+        raise RuntimeError(f"naive baseline failed: {r.stderr[-2000:]}")
+    return (float(line.split()[1]) - t0) * 1e3
+
+
+def first_token_ms(url: str, unit: str) -> float:
+    body = {"model": unit, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"text"' in line:
+                return (time.perf_counter() - t0) * 1e3
+    raise RuntimeError("no token streamed")
+
+
+def _wait(pred, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            v = pred()
+            if v:
+                return v
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+def run_coldstart_bench(model_dir: str, *, repeats: int = 5, json_out: str | None = None,
+                        docs_out: str | None = None, threads: int | None = None, skip_naive: bool = False,
+                        warmup: str = "all") -> dict:
+    model_dir = str(Path(model_dir).resolve())
+    work = Path(tempfile.mkdtemp(prefix="sits-coldstart-"))
+    res = f"{{device: cpu, kv_cache_mb: 64, warmup: {warmup}{', threads: ' + str(threads) if threads else ''}}}"
+    (work / "sits.yaml").write_text(f"units:\n  - name: cold\n    model: {model_dir}\n"
+                                    f"    scale: {{min_instances: 0, max_instances: 1, keep_alive_s: 3600}}\n"
+                                    f"    resources: {res}\n")
+    from sits.bench.serve_bench import _free_port
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    result: dict = {"model": model_dir, "repeats": repeats, "host": f"{os.cpu_count()} CPU cores", "warmup": warmup}
+    naive: list[float] = []
+    if not skip_naive:
+        for i in range(repeats):
+            naive.append(naive_once(model_dir))
+            log(f"naive start {i + 1}/{repeats}: {naive[-1]:.0f} ms")
+    proc = subprocess.Popen([sys.executable, "-m", "sits.cli", "up", "--config", str(work / "sits.yaml"), "--port",
+                             str(port), "--data-dir", str(work / "data"), "--log-level", "warning"],
+                            stderr=subprocess.DEVNULL)
+    cold: list[float] = []
+    warm: list[float] = []
+    phases: list[dict] = []
+    try:
+        _wait(lambda: httpx.get(url + "/ready", timeout=2).status_code == 200, 300, "the gateway")
+        _wait(lambda: any(e["event"] == "zygote_ready" for e in httpx.get(url + "/v1/status").json()["events"]),
+              120, "the zygote")
+        for i in range(repeats):
+            _wait(lambda: httpx.get(url + "/v1/units/cold").json()["instances"] == [], 60, "zero instances")
+            cold.append(first_token_ms(url, "cold"))
+            view = httpx.get(url + "/v1/units/cold").json()
+            phases.append(view["instances"][0]["cold_start_ms"])
+            for _ in range(2):
+                warm.append(first_token_ms(url, "cold"))
+            log(f"sits start {i + 1}/{repeats}: cold {cold[-1]:.0f} ms, warm {warm[-1]:.1f} ms; {phases[-1]}")
+            httpx.post(url + "/v1/units/cold/scale", json={"instances": 0}).raise_for_status()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    med_phases = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
+    result.update({
+        "naive_ms": statistics.median(naive) if naive else None, "sits_cold_ms": statistics.median(cold),
+        "sits_warm_ms": statistics.median(warm), "naive_runs_ms": naive, "sits_cold_runs_ms": cold,
+        "sits_warm_runs_ms": warm, "phases_ms": med_phases})
+    result["ratio_cold_vs_naive"] = result["sits_cold_ms"] / result["naive_ms"] if naive else None
+    result["ratio_cold_vs_warm"] = result["sits_cold_ms"] / result["sits_warm_ms"]
+    command = "sits bench coldstart " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "coldstart"] \
+        else "sits bench coldstart"
+    if json_out:
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_out).write_text(json.dumps(result, indent=2))
+    if docs_out:
+        write_docs(Path(docs_out), _markdown(result, command), DOC_BEGIN, DOC_END)
+    return result
+
+
+def _markdown(r: dict, command: str) -> str:
+    def f(v, spec=".0f"):
+        return "-" if v is None else format(v, spec)
+
+    lines = [DOC_BEGIN, "## Cold start (`sits bench coldstart`)", "", f"Command: `{command}`  ",
+             f"Host: {r['host']}; model `{r['model']}`; unit warm-up `{r['warmup']}`; medians of {r['repeats']} starts "
+             "each; one streamed token.", "",
+             "| path | first token, median ms | runs |", "|---|---|---|",
+             f"| naive (fresh python: import transformers, from_pretrained, tokenizer, generate) | "
+             f"{f(r['naive_ms'])} | {', '.join(f(x) for x in r['naive_runs_ms'])} |",
+             f"| sits_cold (unit at zero instances, zygote up) | {f(r['sits_cold_ms'])} | "
+             f"{', '.join(f(x) for x in r['sits_cold_runs_ms'])} |",
+             f"| sits_warm (READY instance) | {f(r['sits_warm_ms'], '.1f')} | "
+             f"{', '.join(f(x, '.1f') for x in r['sits_warm_runs_ms'])} |", "",
+             f"ratio_cold_vs_naive **{f(r['ratio_cold_vs_naive'], '.3f')}** (target ≤ 0.05); "
+             f"sits_cold / sits_warm **{f(r['ratio_cold_vs_warm'], '.1f')}** (target ≤ 3).", "",
+             "SITS cold-start phases (median ms): " +
+             ", ".join(f"{k} {v:.0f}" for k, v in r["phases_ms"].items()), "", DOC_END]
+    return "\n".join(lines)
