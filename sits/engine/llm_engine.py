@@ -81,8 +81,36 @@ class _Request:
     stop_ids: frozenset[int]
 
 
+@dataclass(slots=True)
+class PreloadedModel:
+    """A model and tokenizer built ahead of time (by a zygote, before it forks engines on CPU)."""
+
+    model_dir: str
+    dtype: str
+    max_model_len: int
+    model_config: ModelConfig
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+
+    @classmethod
+    def load(cls, cfg: EngineConfig) -> "PreloadedModel":
+        mc = ModelConfig.from_dir(cfg.model)
+        max_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        model = load_model(cfg.model, mc, torch.device("cpu"), resolve_dtype(cfg.dtype), max_len)
+        return cls(str(cfg.model), cfg.dtype, max_len, mc, model, Tokenizer.from_dir(cfg.model))
+
+    @staticmethod
+    def key(cfg: EngineConfig) -> tuple:
+        return (os.path.realpath(str(cfg.model)), cfg.dtype, cfg.max_model_len)
+
+    def fits(self, cfg: EngineConfig, device: torch.device) -> bool:
+        return device.type == "cpu" and os.path.realpath(self.model_dir) == os.path.realpath(str(cfg.model)) \
+            and self.dtype == cfg.dtype
+
+
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, preloaded: PreloadedModel | None = None):
+        """``preloaded``: weights and tokenizer already built in this process (inherited from a zygote)."""
         self.cfg = cfg
         self.report = ColdStartReport()
         age = process_age_s()
@@ -93,14 +121,20 @@ class LLMEngine:
         self.threads = cfg.threads or os.cpu_count() or 1
         if self.device.type == "cpu":
             torch.set_num_threads(self.threads)
+        if preloaded is not None and not preloaded.fits(cfg, self.device):
+            preloaded = None
         with self.report.phase("config"):
-            self.model_config = ModelConfig.from_dir(cfg.model)
+            self.model_config = preloaded.model_config if preloaded else ModelConfig.from_dir(cfg.model)
             self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                      self.model_config.max_position_embeddings)
+        if preloaded is not None and preloaded.max_model_len != self.max_model_len:
+            preloaded = None
+        self.inherited_weights = preloaded is not None
         with self.report.phase("weights"):
-            self.model = load_model(cfg.model, self.model_config, self.device, self.dtype, self.max_model_len)
+            self.model = preloaded.model if preloaded else load_model(cfg.model, self.model_config, self.device,
+                                                                      self.dtype, self.max_model_len)
         with self.report.phase("tokenizer"):
-            self.tokenizer = Tokenizer.from_dir(cfg.model)
+            self.tokenizer = preloaded.tokenizer if preloaded else Tokenizer.from_dir(cfg.model)
         with self.report.phase("kv_allocation"):
             per_block = bytes_per_block(self.model_config, cfg.block_size, self.dtype)
             num_blocks = cfg.num_kv_blocks or max(1, cfg.kv_cache_memory_mb * 2**20 // per_block)

@@ -15,6 +15,7 @@ import collections
 import logging
 import os
 import time
+from dataclasses import asdict
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -207,6 +208,8 @@ class Gateway:
         if old is not None:
             await self.undeploy(spec.name, persist=False)
         self.units[spec.name] = backend
+        if self.zygote is not None and self.zygote.alive:
+            self.zygote.preload(asdict(spec.engine_config()))
         if persist:
             self.store.put(spec)
         self.record(spec.name, "deployed", {"model": spec.model})

@@ -26,7 +26,8 @@ from sits.runtime.wire import FrameDecoder, send_blocking
 STATS_INTERVAL_S = 0.05    # while busy, engine stats ride along with events at most this often
 
 
-def serve_instance(cfg_dict: dict, sock_path: str) -> int:
+def serve_instance(cfg_dict: dict, sock_path: str, preloaded=None) -> int:
+    """``preloaded``: a PreloadedModel this process inherited (a zygote fork), used when it fits."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(sock_path)
     os.chmod(sock_path, 0o600)
@@ -39,7 +40,7 @@ def serve_instance(cfg_dict: dict, sock_path: str) -> int:
     from sits.engine.errors import SitsError
     from sits.engine.llm_engine import LLMEngine
     try:
-        engine = LLMEngine(EngineConfig(**cfg_dict))
+        engine = LLMEngine(EngineConfig(**cfg_dict), preloaded=preloaded)
     except SitsError as e:
         send_blocking(conn, ("fatal", e.code, e.message))
         return 2
@@ -50,7 +51,7 @@ def serve_instance(cfg_dict: dict, sock_path: str) -> int:
     send_blocking(conn, ("ready", {
         "max_model_len": engine.max_model_len, "vocab_size": engine.model_config.vocab_size,
         "block_size": pool.block_size, "num_kv_blocks": pool.num_blocks,
-        "cold_start": engine.report.to_dict(), "pid": os.getpid()}))
+        "cold_start": engine.report.to_dict(), "pid": os.getpid(), "inherited_weights": engine.inherited_weights}))
     return _loop(engine, conn)
 
 

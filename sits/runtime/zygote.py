@@ -4,12 +4,15 @@ tokenizer library, and forks instance processes on request.
 A cold start from a fresh interpreter spends most of its time importing (≈2 s for torch and
 friends on a small CPU host); a fork of the zygote starts with all of that in memory, shared
 copy-on-write, so an instance pays only for weights (memory-mapped), KV allocation and warm-up.
-The zygote never runs a torch operation, so no intra-op thread pool exists when it forks (OpenMP
-pools do not survive a fork); each child sets up its own.
+It also builds the models of deployed units ahead of time (``preload``): the mapped weights and the
+tokenizer are then inherited by every fork, so an instance skips its weights and tokenizer phases.
+The zygote runs torch single-threaded, so no intra-op thread pool exists when it forks (OpenMP
+pools do not survive a fork); each child sets up its own. CUDA cannot cross a fork: preloading is
+for CPU engines, GPU instances load their own weights.
 
-Protocol (frames of ``sits.runtime.wire`` over a Unix socket, one client): ``("fork", socket_path,
-engine_config_dict)`` → ``("forked", pid)`` or ``("fork_failed", message)``; the zygote reaps its
-children and reports ``("exited", pid, returncode)``.
+Protocol (frames of ``sits.runtime.wire`` over a Unix socket, one client): ``("preload",
+engine_config_dict)`` (no reply); ``("fork", socket_path, engine_config_dict)`` → ``("forked", pid)``
+or ``("fork_failed", message)``; the zygote reaps its children and reports ``("exited", pid, code)``.
 
     python -m sits.runtime.zygote --socket PATH
 """
@@ -42,7 +45,27 @@ def preload() -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _child(sock_path: str, cfg: dict, fds_to_close: list[socket.socket]) -> None:
+_MODELS: dict[tuple, object] = {}     # PreloadedModel by (model dir, dtype, max_model_len)
+
+
+def _preloaded(cfg_dict: dict):
+    """The cached PreloadedModel for this config (built now if missing), or None (GPU, or it failed)."""
+    from sits.engine.config import EngineConfig, resolve_device
+    from sits.engine.llm_engine import PreloadedModel
+    try:
+        cfg = EngineConfig(**cfg_dict)
+        if resolve_device(cfg.device).type != "cpu":
+            return None
+        key = PreloadedModel.key(cfg)
+        if key not in _MODELS:
+            _MODELS[key] = PreloadedModel.load(cfg)
+        return _MODELS[key]
+    except Exception as e:  # noqa: BLE001 - the child loads (and reports the error) itself
+        print(f"zygote: preloading {cfg_dict.get('model')} failed: {e}", file=sys.stderr)
+        return None
+
+
+def _child(sock_path: str, cfg: dict, fds_to_close: list[socket.socket], preloaded=None) -> None:
     for s in fds_to_close:
         s.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -51,7 +74,7 @@ def _child(sock_path: str, cfg: dict, fds_to_close: list[socket.socket]) -> None
     code = 1
     try:
         from sits.runtime.instance_worker import serve_instance
-        code = serve_instance(cfg, sock_path)
+        code = serve_instance(cfg, sock_path, preloaded)
     except (BrokenPipeError, ConnectionResetError):
         code = 0
     except BaseException:  # noqa: BLE001 - the child must never return into the zygote's loop
@@ -66,6 +89,8 @@ def _child(sock_path: str, cfg: dict, fds_to_close: list[socket.socket]) -> None
 def serve_zygote(control_path: str) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     preload_ms = preload()
+    import torch
+    torch.set_num_threads(1)     # never start an intra-op pool here: it would not survive the fork
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(control_path)
     os.chmod(control_path, 0o600)
@@ -81,15 +106,18 @@ def serve_zygote(control_path: str) -> int:
             if not data:
                 break                       # the gateway is gone: so are we (children see their own EOF)
             for msg in decoder.feed(data):
-                if msg[0] == "fork":
+                if msg[0] == "preload":
+                    _preloaded(msg[1])
+                elif msg[0] == "fork":
                     _, sock_path, cfg = msg
+                    pre = _preloaded(cfg)
                     try:
                         pid = os.fork()
                     except OSError as e:
                         send_blocking(conn, ("fork_failed", str(e)))
                         continue
                     if pid == 0:
-                        _child(sock_path, cfg, [conn, listener])
+                        _child(sock_path, cfg, [conn, listener], pre)
                     children.add(pid)
                     send_blocking(conn, ("forked", pid))
                 elif msg[0] == "shutdown":
@@ -175,6 +203,11 @@ class ZygoteClient:
             await asyncio.sleep(0.02)
         hello = await asyncio.wait_for(read_frame(reader), timeout_s)
         return cls(proc, reader, writer, hello[1], sock_dir)
+
+    def preload(self, cfg: dict) -> None:
+        """Have the zygote build this model now, so the unit's first fork inherits it."""
+        if self.alive:
+            self._writer.write(encode(("preload", cfg)))
 
     async def fork(self, sock_path: str, cfg: dict) -> ForkedProcess:
         if not self.alive:
