@@ -90,6 +90,7 @@ def _wait(pred, timeout_s: float, what: str):
 def run_coldstart_bench(model_dir: str, *, repeats: int = 5, json_out: str | None = None,
                         docs_out: str | None = None, threads: int | None = None, skip_naive: bool = False,
                         warmup: str = "all") -> dict:
+    shown = model_dir
     model_dir = str(Path(model_dir).resolve())
     work = Path(tempfile.mkdtemp(prefix="sits-coldstart-"))
     res = f"{{device: cpu, kv_cache_mb: 64, warmup: {warmup}{', threads: ' + str(threads) if threads else ''}}}"
@@ -99,7 +100,7 @@ def run_coldstart_bench(model_dir: str, *, repeats: int = 5, json_out: str | Non
     from sits.bench.serve_bench import _free_port
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    result: dict = {"model": model_dir, "repeats": repeats, "host": f"{os.cpu_count()} CPU cores", "warmup": warmup}
+    result: dict = {"model": shown, "repeats": repeats, "host": f"{os.cpu_count()} CPU cores", "warmup": warmup}
     naive: list[float] = []
     if not skip_naive:
         for i in range(repeats):

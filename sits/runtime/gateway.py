@@ -161,7 +161,7 @@ class UnitBackend:
                                                      "slo_health": d.health})
             log.info("unit %s: scale %d -> %d (%s)", self.name, d.current, d.target, d.reason)
             self.gateway.decisions[(self.name, d.direction)] += 1
-            self.pool.scale_to(d.target, d.reason)
+            self.pool.scale_to(d.target, d.reason, urgent=d.current == 0 and self.waiting > 0)
         else:
             self.pool.reconcile(d.reason)        # replaces crashed instances
         return d

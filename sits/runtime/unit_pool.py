@@ -90,16 +90,18 @@ class UnitPool:
         ev.set()
 
     # -- scaling --------------------------------------------------------------------------------------
-    def scale_to(self, n: int, reason: str = "") -> None:
+    def scale_to(self, n: int, reason: str = "", *, urgent: bool = False) -> None:
+        """``urgent``: a request is waiting for these instances, so they skip warm-up (measured: on a
+        cold start the warm-up costs more than it saves the first request; see docs/benchmarks.md)."""
         self.desired = n
-        self.reconcile(reason)
+        self.reconcile(reason, urgent=urgent)
 
-    def reconcile(self, reason: str = "") -> None:
+    def reconcile(self, reason: str = "", *, urgent: bool = False) -> None:
         """Start or drain instances until ``live`` matches ``desired``; drop dead ones."""
         self.check_health()
         live = self.live()
         for _ in range(self.desired - len(live)):
-            self._start(reason)
+            self._start(reason, urgent=urgent and not self.ready())
         if len(live) > self.desired:
             # drain the ones that are least useful: still starting first, then the least loaded
             order = sorted(live, key=lambda i: (i.state is InstanceState.READY, i.inflight))
@@ -117,15 +119,21 @@ class UnitPool:
                 self._notify()
         self.instances = [i for i in self.instances if i.state is not InstanceState.STOPPED]
 
-    def _start(self, reason: str) -> Instance:
+    def _start(self, reason: str, urgent: bool = False) -> Instance:
         inst = Instance(f"{self.spec.name}-{next(self._ids)}", self.spec.name)
         self.instances.append(inst)
         self.starts += 1
-        self._on_event("instance_starting", {"instance": inst.id, "reason": reason})
-        inst.task = asyncio.get_running_loop().create_task(self._run_start(inst), name=f"start-{inst.id}")
+        cfg = self.spec.engine_config()
+        if urgent:
+            cfg.warmup = False
+        self._on_event("instance_starting", {"instance": inst.id, "reason": reason,
+                                             "warmup": "skipped: a request is waiting" if urgent and
+                                             self.spec.resources.warmup is not False else str(cfg.warmup_shapes
+                                                                                               if cfg.warmup else False)})
+        inst.task = asyncio.get_running_loop().create_task(self._run_start(inst, cfg), name=f"start-{inst.id}")
         return inst
 
-    async def _run_start(self, inst: Instance) -> None:
+    async def _run_start(self, inst: Instance, cfg) -> None:
         t0 = time.monotonic()
         marks: dict[str, float] = {}
 
@@ -139,7 +147,7 @@ class UnitPool:
         launcher = self._launcher()
         how = "fork" if launcher is not None else "spawn"
         try:
-            backend = await InstanceBackend.spawn(self.spec.engine_config(), self.spec.name, on_phase=on_phase,
+            backend = await InstanceBackend.spawn(cfg, self.spec.name, on_phase=on_phase,
                                                   launcher=launcher)
         except Exception as e:  # noqa: BLE001 - a failed start is reported and retried by reconcile
             inst.state = InstanceState.STOPPED

@@ -5,7 +5,8 @@ A cold start from a fresh interpreter spends most of its time importing (≈2 s 
 friends on a small CPU host); a fork of the zygote starts with all of that in memory, shared
 copy-on-write, so an instance pays only for weights (memory-mapped), KV allocation and warm-up.
 It also builds the models of deployed units ahead of time (``preload``): the mapped weights and the
-tokenizer are then inherited by every fork, so an instance skips its weights and tokenizer phases.
+tokenizer are then inherited by every fork, so an instance skips its weights and tokenizer phases,
+and two small single-threaded forward passes pay the operators' one-time set-up for all of them.
 The zygote runs torch single-threaded, so no intra-op thread pool exists when it forks (OpenMP
 pools do not survive a fork); each child sets up its own. CUDA cannot cross a fork: preloading is
 for CPU engines, GPU instances load their own weights.
@@ -58,7 +59,12 @@ def _preloaded(cfg_dict: dict):
             return None
         key = PreloadedModel.key(cfg)
         if key not in _MODELS:
-            _MODELS[key] = PreloadedModel.load(cfg)
+            pre = PreloadedModel.load(cfg)
+            import torch
+            with torch.inference_mode():   # one-time operator set-up, inherited by every fork
+                for n in (1, 16):
+                    pre.model.forward_dense(torch.zeros(1, n, dtype=torch.long))
+            _MODELS[key] = pre
         return _MODELS[key]
     except Exception as e:  # noqa: BLE001 - the child loads (and reports the error) itself
         print(f"zygote: preloading {cfg_dict.get('model')} failed: {e}", file=sys.stderr)
