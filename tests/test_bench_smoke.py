@@ -49,3 +49,15 @@ def test_serve_bench_against_a_running_server_writes_json_and_docs(serve_tiny, t
     assert text.count(serve_bench.DOC_BEGIN) == 1 and "engine mode `server`" in text
     assert (tmp_path / "img" / "serve_bench.png").stat().st_size > 1000
     assert result["modes"]["server"][0]["itl_p50_ms"] > 0
+
+
+@pytest.mark.slow
+def test_coldstart_bench_measures_naive_cold_and_warm(tiny_model_dir, tmp_path):
+    from sits.bench import coldstart_bench
+    out, docs = tmp_path / "coldstart.json", tmp_path / "benchmarks.md"
+    r = coldstart_bench.run_coldstart_bench(tiny_model_dir, repeats=1, json_out=str(out), docs_out=str(docs))
+    data = json.loads(out.read_text())
+    for key in ("naive_ms", "sits_cold_ms", "sits_warm_ms", "ratio_cold_vs_naive", "phases_ms"):
+        assert data[key], key
+    assert r["sits_cold_ms"] < r["naive_ms"] and "fork" in r["phases_ms"]
+    assert coldstart_bench.DOC_BEGIN in docs.read_text()
