@@ -15,12 +15,12 @@ import collections
 import logging
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from sits.engine.config import ModelConfig
-from sits.engine.errors import InvalidRequestError, ModelLoadError, RequestAbortedError, SitsError
+from sits.engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestAbortedError, SitsError
 from sits.engine.llm_engine import EngineStats, TokenEvent
 from sits.engine.request_validator import RequestValidator
 from sits.engine.sampling_params import SamplingParams
@@ -34,6 +34,8 @@ from sits.runtime.unit_store import UnitStore
 from sits.runtime.zygote import ZygoteClient
 
 log = logging.getLogger("sits.runtime")
+
+MAX_FAILOVERS = 3      # a request that kills this many instances is not retried further
 
 
 class UnitBackend:
@@ -83,10 +85,8 @@ class UnitBackend:
                                       code="duplicate_request_id")
         return Sequence(request_id, ids, params, priority=priority, interactive=interactive)
 
-    async def stream(self, seq: Sequence) -> AsyncIterator[TokenEvent]:
-        rid = seq.request_id
-        self.window.arrival()
-        self.idle_since = None
+    async def _acquire(self, rid: str):
+        """A READY instance for this request, or the error it was aborted with while waiting."""
         self.waiting += 1
         aborted: asyncio.Future = asyncio.get_running_loop().create_future()
         self._waiters[rid] = aborted
@@ -96,35 +96,78 @@ class UnitBackend:
             if aborted in done:
                 acquire.cancel()
                 raise aborted.result()
-            inst = acquire.result()
+            return acquire.result()
         finally:
             self.waiting -= 1
             self._waiters.pop(rid, None)
             if not aborted.done():
                 aborted.cancel()
-        inst.inflight += 1
-        self.inflight += 1
-        self._placed[rid] = inst.backend
+
+    async def stream(self, seq: Sequence) -> AsyncIterator[TokenEvent]:
+        """Stream from an instance; if it dies mid-stream, resume on another one.
+
+        Failover re-prefills the prompt plus the tokens already sent and asks for the rest, so the
+        client's stream goes on with no gap and no duplicate (greedy output is the same tokens as an
+        uninterrupted run; a seeded sampler restarts its random stream at the resume point).
+        """
+        rid = seq.request_id
+        self.window.arrival()
+        self.idle_since = None
+        sent: list[int] = []
         first: float | None = None
+        first_token_time: float | None = None
+        first_scheduled: float | None = None
         prev: float | None = None
         itls: list[float] = []
-        try:
-            async for ev in inst.backend.stream(seq):
-                if ev.token_id is not None:
-                    if first is None and ev.first_token_time is not None:
-                        first = (ev.first_token_time - ev.arrival_time) * 1e3
-                    if prev is not None:
-                        itls.append((ev.time - prev) * 1e3)
-                    prev = ev.time
-                if ev.finished:
-                    self.window.finished(first, (ev.time - ev.arrival_time) * 1e3, ev.num_output_tokens, itls)
-                yield ev
-        finally:
-            inst.inflight -= 1
-            self.inflight -= 1
-            self._placed.pop(rid, None)
-            if not self.inflight and not self.waiting:
-                self.idle_since = time.monotonic()
+        cached = 0
+        failovers = 0
+        cur = seq
+        while True:
+            inst = await self._acquire(rid)
+            inst.inflight += 1
+            self.inflight += 1
+            self._placed[rid] = inst.backend
+            done = len(sent)
+            try:
+                async for ev in inst.backend.stream(cur):
+                    if done:   # a resumed stream: number its tokens after the ones already sent
+                        ev = replace(ev, index=ev.index + done, num_output_tokens=ev.num_output_tokens + done,
+                                     num_prompt_tokens=len(seq.prompt_token_ids), num_cached_tokens=cached,
+                                     arrival_time=seq.arrival_time, first_token_time=first_token_time,
+                                     first_scheduled_time=first_scheduled)
+                    if ev.token_id is not None:
+                        sent.append(ev.token_id)
+                        if first is None and ev.first_token_time is not None:
+                            first = (ev.first_token_time - ev.arrival_time) * 1e3
+                            first_token_time, first_scheduled = ev.first_token_time, ev.first_scheduled_time
+                            cached = ev.num_cached_tokens
+                        if prev is not None:
+                            itls.append((ev.time - prev) * 1e3)
+                        prev = ev.time
+                    if ev.finished:
+                        self.window.finished(first, (ev.time - ev.arrival_time) * 1e3, ev.num_output_tokens, itls)
+                    yield ev
+                return
+            except EngineDeadError as e:
+                if failovers >= MAX_FAILOVERS:
+                    raise
+                failovers += 1
+                left = seq.params.max_tokens - len(sent)
+                self.gateway.record(self.name, "failover", {"request": rid, "instance": inst.id,
+                                                            "tokens_sent": len(sent), "error": e.message})
+                log.warning("unit %s: instance %s died under request %s after %d token(s); resuming elsewhere",
+                            self.name, inst.id, rid, len(sent))
+                if left <= 0:
+                    raise
+                cur = Sequence(rid, seq.prompt_token_ids + sent, replace(seq.params, max_tokens=left),
+                               priority=seq.priority, interactive=seq.interactive, arrival_time=seq.arrival_time)
+            finally:
+                inst.inflight -= 1
+                self.inflight -= 1
+                if self._placed.get(rid) is inst.backend:
+                    self._placed.pop(rid, None)
+                if not self.inflight and not self.waiting:
+                    self.idle_since = time.monotonic()
 
     def abort(self, request_id: str, error: SitsError | None = None) -> None:
         err = error or RequestAbortedError(f"request {request_id} was aborted")
