@@ -1,7 +1,8 @@
 """The edge: what every HTTP request goes through before any route (a pure ASGI middleware).
 
 It stamps the acceptance time (the zero of every server-side latency), assigns ``x-request-id``
-(the client's own when it sends a sane one), checks API keys in constant time, bounds the body
+(the client's own when it sends a sane one), hands ``X-Session-ID`` and the W3C trace id to the
+runtime as routing hints, checks API keys in constant time, bounds the body
 (413 over the limit, 408 for a client that trickles it too slowly), reads every ``/v1`` body as
 JSON (``curl -d`` labels it form-urlencoded), refuses new work while the
 server drains, and adds ``x-request-id`` / ``server-timing`` to every response.
@@ -18,8 +19,10 @@ import uuid
 from collections.abc import Callable
 
 from sits.api.errors import error_body
+from sits.runtime.hints import RequestHints, current_hints
 
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/docs", "/openapi.json", "/redoc")
 
@@ -56,6 +59,10 @@ class EdgeMiddleware:
         rid = headers.get(b"x-request-id", b"").decode("latin-1")
         if not _SANE_ID.match(rid):
             rid = uuid.uuid4().hex
+        session = headers.get(b"x-session-id", b"").decode("latin-1")
+        trace = _TRACEPARENT.match(headers.get(b"traceparent", b"").decode("latin-1"))
+        current_hints.set(RequestHints(session_id=session if _SANE_ID.match(session) else None,
+                                       trace_id=trace.group(1) if trace else None))
         state = scope.setdefault("state", {})
         state["sits_accepted_at"] = t0
         state["request_id"] = rid

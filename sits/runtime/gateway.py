@@ -30,6 +30,9 @@ from sits.runtime.autoscaler import Autoscaler, ScaleDecision
 from sits.runtime.unit_metrics import MetricsWindow
 from sits.runtime.unit_pool import UnitPool
 from sits.runtime.unit_spec import UnitSpec
+from sits.runtime.hints import current_hints
+from sits.runtime.prefetch import Prefetcher
+from sits.runtime.router import Router
 from sits.runtime.unit_store import UnitStore
 from sits.runtime.zygote import ZygoteClient
 
@@ -62,6 +65,8 @@ class UnitBackend:
         self.pool = UnitPool(spec, on_event=lambda kind, data: gateway.record(spec.name, kind, data),
                              launcher=gateway.launcher)
         self.autoscaler = Autoscaler(spec.scale, spec.slo)
+        self.router = Router()
+        self.routed: collections.Counter = collections.Counter()
         self.window = MetricsWindow(spec.scale.window_s)
         self.waiting = 0
         self.inflight = 0
@@ -85,13 +90,21 @@ class UnitBackend:
                                       code="duplicate_request_id")
         return Sequence(request_id, ids, params, priority=priority, interactive=interactive)
 
-    async def _acquire(self, rid: str):
-        """A READY instance for this request, or the error it was aborted with while waiting."""
+    async def _acquire(self, rid: str, seq: Sequence, session_id: str | None):
+        """A READY instance for this request (the router's pick), or the error it was aborted with."""
+        budget = len(seq.prompt_token_ids) + seq.params.max_tokens
+
+        def choose(ready):
+            inst, why = self.router.choose(ready, seq.prompt_token_ids, budget, session_id)
+            self.routed[why] += 1
+            return inst
+
         self.waiting += 1
         aborted: asyncio.Future = asyncio.get_running_loop().create_future()
         self._waiters[rid] = aborted
         try:
-            acquire = asyncio.ensure_future(self.pool.acquire(on_wait=lambda: self.gateway.kick(self.name)))
+            acquire = asyncio.ensure_future(self.pool.acquire(on_wait=lambda: self.gateway.kick(self.name),
+                                                              choose=choose))
             done, _ = await asyncio.wait({acquire, aborted}, return_when=asyncio.FIRST_COMPLETED)
             if aborted in done:
                 acquire.cancel()
@@ -122,8 +135,11 @@ class UnitBackend:
         cached = 0
         failovers = 0
         cur = seq
+        hints = current_hints.get()
+        self.gateway.observe_call(self.name, hints)
         while True:
-            inst = await self._acquire(rid)
+            inst = await self._acquire(rid, cur, hints.session_id)
+            self.router.record(inst.id, seq.prompt_token_ids, hints.session_id)
             inst.inflight += 1
             self.inflight += 1
             self._placed[rid] = inst.backend
@@ -219,15 +235,17 @@ class UnitBackend:
                         "tps": round(m.tps, 3)},
             "slo_health": d.health if d else None, "last_decision": None if d is None else
             {"from": d.current, "to": d.target, "reason": d.reason},
-            "starts": self.pool.starts, "crashes": self.pool.crashes, "cold_start": self.pool.last_report,
+            "starts": self.pool.starts, "crashes": self.pool.crashes, "routed": dict(self.routed), "cold_start": self.pool.last_report,
             "spec": self.spec.model_dump(),
         }
 
 
 class Gateway:
-    def __init__(self, data_dir: str | Path, *, tick_s: float = 1.0, zygote: bool = True):
+    def __init__(self, data_dir: str | Path, *, tick_s: float = 1.0, zygote: bool = True,
+                 prefetch: bool = True, prefetch_threshold: float = 0.85):
         self.data_dir = Path(data_dir)
         self.use_zygote = zygote
+        self.prefetcher = Prefetcher(threshold=prefetch_threshold if prefetch else float("inf"))
         self.zygote: ZygoteClient | None = None
         self.store = UnitStore(self.data_dir)
         self.units: dict[str, UnitBackend] = {}
@@ -240,6 +258,20 @@ class Gateway:
         """How instances start now: forked from the zygote while it lives, else a fresh interpreter."""
         z = self.zygote
         return z.fork if z is not None and z.alive else None
+
+    def observe_call(self, unit: str, hints) -> None:
+        """A call of ``unit``: learn the chain, and start the units that likely come next (pre-warming)."""
+        for nxt, p in self.prefetcher.observe(unit, hints.chain_key):
+            b = self.units.get(nxt)
+            if b is None or b.pool.ready() or b.pool.starting() or b.pool.desired >= b.spec.scale.max_instances:
+                continue
+            reason = f"prefetch: P({nxt} | {unit}) = {p:.2f} >= {self.prefetcher.threshold:g}"
+            self.record(nxt, "prefetch", {"after": unit, "p": round(p, 3)})
+            self.record(nxt, "scale", {"from": b.pool.desired, "to": b.pool.desired + 1, "reason": reason})
+            self.decisions[(nxt, "up")] += 1
+            b.idle_since = time.monotonic()           # keep-alive counts from the pre-warm
+            b.autoscaler.state.calm_since = time.monotonic()
+            b.pool.scale_to(b.pool.desired + 1, reason)
 
     def record(self, unit: str, kind: str, data: dict) -> None:
         self.events.append({"time": time.time(), "unit": unit, "event": kind, **data})

@@ -46,6 +46,7 @@ class InstanceBackend:
         self.proc = proc
         self.pid = info["pid"]
         self.max_model_len = info["max_model_len"]
+        self.max_num_seqs = cfg.max_num_seqs
         self.tokenizer = tokenizer
         self.validator = RequestValidator(tokenizer, vocab_size=info["vocab_size"], max_model_len=self.max_model_len,
                                           block_size=info["block_size"], num_kv_blocks=info["num_kv_blocks"])

@@ -192,14 +192,15 @@ class UnitPool:
         self._notify()
 
     # -- requests -------------------------------------------------------------------------------------
-    async def acquire(self, on_wait: Callable[[], None] | None = None) -> Instance:
-        """A READY instance (the least loaded); waits while there is none."""
+    async def acquire(self, on_wait: Callable[[], None] | None = None,
+                      choose: Callable[[list[Instance]], Instance] | None = None) -> Instance:
+        """A READY instance (``choose`` picks among them; default the least loaded); waits while there is none."""
         asked = False
         while True:
             self.check_health()
             ready = self.ready()
             if ready:
-                return min(ready, key=lambda i: i.inflight)
+                return choose(ready) if choose is not None else min(ready, key=lambda i: i.inflight)
             if not asked and on_wait is not None:
                 on_wait()
                 asked = True
