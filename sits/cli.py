@@ -125,7 +125,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         config = "sits.yaml"
     units = load_runtime_config(config).units if config else []
     return up(units, _server_settings(args), data_dir=args.data_dir, host=args.host, port=args.port,
-              log_level=args.log_level)
+              log_level=args.log_level, prefetch=not args.no_prefetch)
 
 
 def _control(args: argparse.Namespace, method: str, path: str, body=None):
@@ -229,6 +229,14 @@ def cmd_bench_coldstart(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_prefetch(args: argparse.Namespace) -> int:
+    from sits.bench.prefetch_bench import run_prefetch_bench
+    r = run_prefetch_bench(args.model, train=args.train, repeats=args.repeats, a_tokens=args.a_tokens,
+                           json_out=args.json, docs_out=args.write_docs)
+    print(json.dumps({k: v for k, v in r.items() if not k.endswith("_runs_ms")}, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sits", description="SITS: a serverless runtime for LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -267,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("--config", default=None, help="YAML with `units: [...]` (default: ./sits.yaml if present)")
     upp.add_argument("--data-dir", default=os.environ.get("SITS_DATA_DIR", ".sits"),
                      help="where the deployed units are persisted (default .sits; env SITS_DATA_DIR)")
+    upp.add_argument("--no-prefetch", action="store_true", help="turn trace-driven pre-warming off")
     _add_http_args(upp)
     upp.set_defaults(func=cmd_up)
 
@@ -307,6 +316,14 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--json", default=None)
     bc.add_argument("--write-docs", default=None)
     bc.set_defaults(func=cmd_bench_coldstart)
+    bp = bench.add_parser("prefetch", help="two-unit chain: TTFT of the second call with pre-warming on vs off")
+    bp.add_argument("--model", required=True)
+    bp.add_argument("--train", type=int, default=6)
+    bp.add_argument("--repeats", type=int, default=5)
+    bp.add_argument("--a-tokens", type=int, default=32, help="tokens the first call streams")
+    bp.add_argument("--json", default=None)
+    bp.add_argument("--write-docs", default=None)
+    bp.set_defaults(func=cmd_bench_prefetch)
     bs = bench.add_parser("serve", help="concurrent streaming clients over HTTP; TTFT/ITL/e2e and server overhead")
     where = bs.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="a running server (e.g. http://127.0.0.1:8000)")
