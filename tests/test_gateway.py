@@ -172,3 +172,35 @@ def test_scale_to_zero_after_keep_alive_and_persistence_across_restart(tiny_mode
         assert r.status_code == 200
     finally:
         srv2.stop()
+
+
+def test_driven_load_scales_0_1_n_and_back_to_0(tiny_model_dir, tmp_path):
+    """No instance -> a request starts one -> sustained load (rps trigger) adds the second ->
+    idle: back down and to zero after keep-alive. Each decision carries its reason."""
+    import concurrent.futures
+    srv, gw = start_gateway(tmp_path, [unit("elastic", tiny_model_dir, keep_alive_s=3.0, downscale_delay_s=1.0,
+                                            window_s=3.0, trigger="rps > 3")])
+    try:
+        assert states(srv, "elastic") == []
+        c = httpx.Client(base_url=srv.url, timeout=120)
+
+        def call(i):
+            return c.post("/v1/completions", json={"model": "elastic", "prompt": f"load {i}", "max_tokens": 4}).status_code
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            deadline = time.monotonic() + 60
+            codes = []
+            while time.monotonic() < deadline and len([s for s in states(srv, "elastic") if s == "READY"]) < 2:
+                codes += list(pool.map(call, range(8)))
+            assert set(codes) == {200}
+        assert states(srv, "elastic") == ["READY", "READY"]
+        wait_for(lambda: states(srv, "elastic") == [], timeout=30, what="scale back to zero")
+        reasons = [e["reason"] for e in c.get("/v1/status").json()["events"] if e["event"] == "scale"
+                   and e["unit"] == "elastic"]
+        assert any("waiting for a unit with no instance" in r for r in reasons)
+        assert any("trigger holds: rps > 3" in r for r in reasons)
+        assert any("keep_alive_s" in r for r in reasons)
+        metrics = c.get("/metrics").text
+        assert 'sits:autoscaler_decisions_total{direction="up",unit="elastic"} 2.0' in metrics
+    finally:
+        srv.stop()
