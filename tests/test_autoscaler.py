@@ -77,3 +77,19 @@ def test_metrics_window_forgets_old_observations():
     t[0] = 100.0
     s = w.snapshot()
     assert s.ttft_p95 is None and s.rps == 0 and w.last_request_at == 9.5
+
+
+def test_cpu_meter_reads_this_process():
+    import os
+    import time as _t
+
+    from sits.runtime.unit_metrics import CpuMeter, process_cpu_seconds
+    assert process_cpu_seconds(os.getpid()) > 0
+    assert process_cpu_seconds(2**22 + 12345) is None
+    m = CpuMeter()
+    assert m.read([os.getpid()]) is None            # the first reading only sets the baseline
+    t0 = _t.perf_counter()
+    while _t.perf_counter() - t0 < 0.3:
+        pass                                          # burn one core
+    u = m.read([os.getpid()])
+    assert 0.2 / (os.cpu_count() or 1) < u <= 1.0

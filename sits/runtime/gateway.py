@@ -27,7 +27,7 @@ from sits.engine.sampling_params import SamplingParams
 from sits.engine.sequence import Sequence
 from sits.engine.tokenizer import Tokenizer
 from sits.runtime.autoscaler import Autoscaler, ScaleDecision
-from sits.runtime.unit_metrics import MetricsWindow
+from sits.runtime.unit_metrics import CpuMeter, MetricsWindow
 from sits.runtime.unit_pool import UnitPool
 from sits.runtime.unit_spec import UnitSpec
 from sits.runtime.hints import current_hints
@@ -68,6 +68,7 @@ class UnitBackend:
         self.router = Router()
         self.routed: collections.Counter = collections.Counter()
         self.window = MetricsWindow(spec.scale.window_s)
+        self.cpu = CpuMeter()
         self.waiting = 0
         self.inflight = 0
         self.idle_since: float | None = time.monotonic()
@@ -211,7 +212,8 @@ class UnitBackend:
     # -- scaling --------------------------------------------------------------------------------------
     def tick(self, now: float) -> ScaleDecision:
         st = self.stats()
-        m = self.window.snapshot(queue_depth=st.num_waiting, inflight=self.inflight, kv_util=st.kv_usage if st.num_kv_blocks else None)
+        cpu = self.cpu.read([i.pid for i in self.pool.ready() if i.pid])
+        m = self.window.snapshot(queue_depth=st.num_waiting, inflight=self.inflight, cpu_util=cpu, kv_util=st.kv_usage if st.num_kv_blocks else None)
         d = self.autoscaler.decide(m, current=self.pool.desired, starting=len(self.pool.starting()), now=now,
                                    idle_since=self.idle_since)
         self.last_decision = d

@@ -7,9 +7,48 @@ Observations are kept with their time and dropped once older than the window, so
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process (Linux /proc), or None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICK
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class CpuMeter:
+    """cpu_util of a set of processes: CPU seconds used since the last reading / (wall seconds × cores)."""
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self._last: dict[int, tuple[float, float]] = {}
+
+    def read(self, pids: list[int]) -> float | None:
+        now, used, span = self.clock(), 0.0, 0.0
+        seen = {}
+        for pid in pids:
+            cpu = process_cpu_seconds(pid)
+            if cpu is None:
+                continue
+            seen[pid] = (now, cpu)
+            prev = self._last.get(pid)
+            if prev is not None and now > prev[0]:
+                used += cpu - prev[1]
+                span = max(span, now - prev[0])
+        self._last = seen
+        if span <= 0:
+            return None
+        return min(1.0, used / (span * (os.cpu_count() or 1)))
 
 
 def _p95(xs: list[float]) -> float | None:
