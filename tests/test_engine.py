@@ -176,3 +176,18 @@ def test_warmup_and_cold_start_report(make_engine):
     assert eng.pool.cached == {}                                           # and cached nothing
     eng.generate(["warm"], SamplingParams(max_tokens=2))
     assert eng.report.phases_ms["first_token"] > 0
+
+
+def test_background_kv_touch_keeps_outputs_and_finishes_while_idle(make_engine):
+    from sits.engine.sampling_params import SamplingParams
+    eager = make_engine()
+    lazy = make_engine(kv_touch="background")
+    assert not lazy.kv_cache.fully_touched
+    p = SamplingParams(max_tokens=12, temperature=0)
+    first = lazy.generate(["a prompt that runs before the pool is touched"], p)[0]["token_ids"]
+    while lazy.idle_work():                 # what the step loops do between requests
+        pass
+    assert lazy.kv_cache.fully_touched and lazy.report.phases_ms["kv_touch_background"] > 0
+    again = lazy.generate(["a prompt that runs before the pool is touched"], p)[0]["token_ids"]
+    assert first == again == eager.generate(["a prompt that runs before the pool is touched"], p)[0]["token_ids"]
+    assert not eager.idle_work()

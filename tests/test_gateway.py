@@ -61,9 +61,7 @@ def test_unit_starts_at_zero_and_a_request_cold_starts_it(gateway):
     assert [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]] == ["chat"]
     assert states(srv, "chat") == []
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
-    t0 = time.monotonic()
     r = client.completions.create(model="chat", prompt="Hello", max_tokens=4, temperature=0)
-    cold_s = time.monotonic() - t0
     assert r.usage.completion_tokens >= 1
     assert states(srv, "chat") == ["READY"]
     view = httpx.get(srv.url + "/v1/units/chat").json()
@@ -73,9 +71,8 @@ def test_unit_starts_at_zero_and_a_request_cold_starts_it(gateway):
     assert view["starts"] == 1 and view["desired"] == 1
     events = [e["event"] for e in httpx.get(srv.url + "/v1/status").json()["events"] if e["unit"] == "chat"]
     assert "scale" in events and "instance_ready" in events
-    t0 = time.monotonic()
     client.completions.create(model="chat", prompt="Hello", max_tokens=4, temperature=0)
-    assert time.monotonic() - t0 < cold_s              # warm is faster than cold
+    assert httpx.get(srv.url + "/v1/units/chat").json()["starts"] == 1     # the warm instance served it
     metrics = httpx.get(srv.url + "/metrics").text
     assert 'sits:unit_instances{state="READY",unit="chat"} 1.0' in metrics
     assert 'sits:cold_start_phase_milliseconds{model_name="chat",phase="fork"}' in metrics

@@ -151,6 +151,8 @@ class AsyncEngine:
             while not self._stopping:
                 self._drain_commands()
                 if not self.engine.has_unfinished:
+                    if self.engine.idle_work():
+                        continue
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue

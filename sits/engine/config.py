@@ -140,10 +140,13 @@ class EngineConfig:
     min_decode_window: int = 1           # pfsd: decodes always get at least this many slots a step
     aging_per_s: float = 1.0             # pfsd: priority bonus per second waited (no starvation)
     warmup: bool = True                  # run multi-level warm-up at start
+    kv_touch: str = "eager"              # "eager" (touch the KV pool at start) or "background" (while idle)
     warmup_shapes: str = "all"           # "all" serving shapes, or "minimal" (one prefill, one decode: cold starts)
     seed: int = 0                        # default generator seed for unseeded sampling
 
     def __post_init__(self) -> None:
+        if self.kv_touch not in ("eager", "background"):
+            raise ValueError(f"kv_touch must be 'eager' or 'background', got {self.kv_touch!r}")
         if self.warmup_shapes not in ("all", "minimal"):
             raise ValueError(f"warmup_shapes must be 'all' or 'minimal', got {self.warmup_shapes!r}")
         if self.policy not in ("pfsd", "fcfs"):

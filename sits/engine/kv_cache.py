@@ -1,4 +1,9 @@
-"""The KV cache tensors: allocated once at start and touched, so serving never page-faults."""
+"""The KV cache tensors: allocated once at start and touched, so serving never page-faults.
+
+With ``touch="background"`` (a cold start with a request already waiting) the tensors are
+allocated untouched and ``touch_some`` faults them in a slice at a time while the engine is idle;
+a slice is rewritten with its own contents, so blocks already holding K/V keep them.
+"""
 
 from __future__ import annotations
 
@@ -16,10 +21,31 @@ class KVCache:
     """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer (K and V)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, touch: str = "eager"):
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        # empty + fill_ writes every page now; torch.zeros may hand back lazily-zeroed pages.
-        self.layers = [torch.empty(shape, dtype=dtype, device=device).fill_(0) for _ in range(cfg.num_hidden_layers)]
+        if touch == "eager" or device.type != "cpu":
+            # empty + fill_ writes every page now; torch.zeros may hand back lazily-zeroed pages.
+            self.layers = [torch.empty(shape, dtype=dtype, device=device).fill_(0)
+                           for _ in range(cfg.num_hidden_layers)]
+            self._pending: list[tuple[int, int]] = []
+        else:
+            self.layers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+            self._pending = [(layer, start) for layer in range(len(self.layers))
+                             for start in range(0, num_blocks, self.TOUCH_BLOCKS)]
         self.nbytes = sum(t.numel() * t.element_size() for t in self.layers)
+
+    TOUCH_BLOCKS = 64
+
+    @property
+    def fully_touched(self) -> bool:
+        return not self._pending
+
+    def touch_some(self, max_slices: int = 4) -> bool:
+        """Fault in a few untouched slices (call between steps); True while some remain."""
+        for _ in range(min(max_slices, len(self._pending))):
+            layer, start = self._pending.pop()
+            view = self.layers[layer][:, start:start + self.TOUCH_BLOCKS]
+            view.copy_(view)
+        return bool(self._pending)

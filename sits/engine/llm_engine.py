@@ -138,7 +138,8 @@ class LLMEngine:
         with self.report.phase("kv_allocation"):
             per_block = bytes_per_block(self.model_config, cfg.block_size, self.dtype)
             num_blocks = cfg.num_kv_blocks or max(1, cfg.kv_cache_memory_mb * 2**20 // per_block)
-            self.kv_cache = KVCache(self.model_config, num_blocks, cfg.block_size, self.device, self.dtype)
+            self.kv_cache = KVCache(self.model_config, num_blocks, cfg.block_size, self.device, self.dtype,
+                                    touch=cfg.kv_touch)
             self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.validator = RequestValidator(self.tokenizer, vocab_size=self.model_config.vocab_size,
                                           max_model_len=self.max_model_len, block_size=cfg.block_size,
@@ -196,6 +197,17 @@ class LLMEngine:
     @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def idle_work(self) -> bool:
+        """Background start-up work for idle moments (faulting in an untouched KV pool); True while
+        some is left. The step loop calls it only when no request is running."""
+        if self.kv_cache.fully_touched:
+            return False
+        t0 = time.perf_counter()
+        more = self.kv_cache.touch_some()
+        self.report.phases_ms["kv_touch_background"] = (self.report.phases_ms.get("kv_touch_background", 0.0)
+                                                        + (time.perf_counter() - t0) * 1e3)
+        return more
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:

@@ -114,7 +114,7 @@ class InstanceBackend:
                     return await asyncio.open_unix_connection(path)
                 except (ConnectionRefusedError, FileNotFoundError):
                     pass
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.002)
 
     # -- the Backend API ------------------------------------------------------------------------------
     @property

@@ -26,12 +26,19 @@ from sits.runtime.wire import FrameDecoder, send_blocking
 STATS_INTERVAL_S = 0.05    # while busy, engine stats ride along with events at most this often
 
 
-def serve_instance(cfg_dict: dict, sock_path: str, preloaded=None) -> int:
-    """``preloaded``: a PreloadedModel this process inherited (a zygote fork), used when it fits."""
+def listen_on(sock_path: str) -> socket.socket:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(sock_path)
     os.chmod(sock_path, 0o600)
     listener.listen(1)
+    return listener
+
+
+def serve_instance(cfg_dict: dict, sock_path: str, preloaded=None, listener: socket.socket | None = None) -> int:
+    """``preloaded``: a PreloadedModel this process inherited (a zygote fork), used when it fits;
+    ``listener``: the socket already bound at ``sock_path`` (a zygote binds it before forking, so the
+    front end can connect the moment the fork is reported)."""
+    listener = listener or listen_on(sock_path)
     conn, _ = listener.accept()
     listener.close()
     send_blocking(conn, ("hello", {"pid": os.getpid()}))
@@ -66,7 +73,7 @@ def _loop(engine, conn: socket.socket) -> int:
     dirty = True
     last_stats = 0.0
     while True:
-        busy = engine.has_unfinished
+        busy = engine.has_unfinished or not engine.kv_cache.fully_touched
         readable, _, _ = select.select([conn], [], [], 0 if busy else (None if not dirty else 0))
         if readable:
             data = conn.recv(1 << 20)
@@ -97,6 +104,8 @@ def _loop(engine, conn: socket.socket) -> int:
             if events or stats is not None:
                 send_blocking(conn, ("events", events, stats))
             dirty = True
+        elif engine.idle_work():
+            continue
         elif dirty:
             send_blocking(conn, ("stats", _stats(engine)))
             last_stats = time.monotonic()

@@ -124,8 +124,9 @@ class UnitPool:
         self.instances.append(inst)
         self.starts += 1
         cfg = self.spec.engine_config()
-        if urgent:
+        if urgent:          # someone is waiting: no warm-up, KV pool faulted in while idle
             cfg.warmup = False
+            cfg.kv_touch = "background"
         self._on_event("instance_starting", {"instance": inst.id, "reason": reason,
                                              "warmup": "skipped: a request is waiting" if urgent and
                                              self.spec.resources.warmup is not False else str(cfg.warmup_shapes

@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 
+from sits.runtime.instance_worker import listen_on
 from sits.runtime.wire import FrameDecoder, encode, read_frame, send_blocking
 
 PRELOAD = ("torch", "safetensors", "tokenizers", "jinja2", "sits.engine.llm_engine", "sits.engine.models.llama",
@@ -71,7 +72,8 @@ def _preloaded(cfg_dict: dict):
         return None
 
 
-def _child(sock_path: str, cfg: dict, fds_to_close: list[socket.socket], preloaded=None) -> None:
+def _child(sock_path: str, cfg: dict, fds_to_close: list[socket.socket], preloaded=None,
+           listener: socket.socket | None = None) -> None:
     for s in fds_to_close:
         s.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -80,7 +82,7 @@ def _child(sock_path: str, cfg: dict, fds_to_close: list[socket.socket], preload
     code = 1
     try:
         from sits.runtime.instance_worker import serve_instance
-        code = serve_instance(cfg, sock_path, preloaded)
+        code = serve_instance(cfg, sock_path, preloaded, listener)
     except (BrokenPipeError, ConnectionResetError):
         code = 0
     except BaseException:  # noqa: BLE001 - the child must never return into the zygote's loop
@@ -118,12 +120,14 @@ def serve_zygote(control_path: str) -> int:
                     _, sock_path, cfg = msg
                     pre = _preloaded(cfg)
                     try:
+                        inst_listener = listen_on(sock_path)
                         pid = os.fork()
                     except OSError as e:
                         send_blocking(conn, ("fork_failed", str(e)))
                         continue
                     if pid == 0:
-                        _child(sock_path, cfg, [conn, listener], pre)
+                        _child(sock_path, cfg, [conn, listener], pre, inst_listener)
+                    inst_listener.close()
                     children.add(pid)
                     send_blocking(conn, ("forked", pid))
                 elif msg[0] == "shutdown":
