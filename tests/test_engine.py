@@ -191,3 +191,7 @@ def test_background_kv_touch_keeps_outputs_and_finishes_while_idle(make_engine):
     again = lazy.generate(["a prompt that runs before the pool is touched"], p)[0]["token_ids"]
     assert first == again == eager.generate(["a prompt that runs before the pool is touched"], p)[0]["token_ids"]
     assert not eager.idle_work()
+
+
+def test_gpu_util_is_reported_only_where_a_gpu_runs_the_engine(make_engine):
+    assert make_engine().stats().gpu_util is None      # CPU: no data, so a gpu_util trigger stays false

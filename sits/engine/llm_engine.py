@@ -69,6 +69,7 @@ class EngineStats:
     num_steps: int
     policy: str
     cold_start: dict = field(default_factory=dict)
+    gpu_util: float | None = None          # the device's utilisation (0..1) where a GPU exists and NVML answers
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -271,7 +272,16 @@ class LLMEngine:
         s = self.pool.stats()
         return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running), s.usage, s.num_blocks,
                            s.num_free, s.prefix_queries, s.prefix_hits, s.hit_rate,
-                           self.scheduler.num_preemptions, self.num_steps, self.cfg.policy, self.report.to_dict())
+                           self.scheduler.num_preemptions, self.num_steps, self.cfg.policy, self.report.to_dict(),
+                           self._gpu_util())
+
+    def _gpu_util(self) -> float | None:
+        if self.device.type != "cuda":
+            return None
+        try:
+            return torch.cuda.utilization(self.device) / 100.0     # needs NVML (pynvml); None without it
+        except Exception:  # noqa: BLE001 - no NVML, or a device it cannot see
+            return None
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  ) -> list[dict]:

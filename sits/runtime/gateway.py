@@ -213,7 +213,10 @@ class UnitBackend:
     def tick(self, now: float) -> ScaleDecision:
         st = self.stats()
         cpu = self.cpu.read([i.pid for i in self.pool.ready() if i.pid])
-        m = self.window.snapshot(queue_depth=st.num_waiting, inflight=self.inflight, cpu_util=cpu, kv_util=st.kv_usage if st.num_kv_blocks else None)
+        gpus = [u for i in self.pool.ready() if (u := i.backend.stats().gpu_util) is not None]
+        m = self.window.snapshot(queue_depth=st.num_waiting, inflight=self.inflight, cpu_util=cpu,
+                                 gpu_util=sum(gpus) / len(gpus) if gpus else None,
+                                 kv_util=st.kv_usage if st.num_kv_blocks else None)
         d = self.autoscaler.decide(m, current=self.pool.desired, starting=len(self.pool.starting()), now=now,
                                    idle_since=self.idle_since)
         self.last_decision = d
