@@ -66,7 +66,7 @@ def test_unit_starts_at_zero_and_a_request_cold_starts_it(gateway):
     assert states(srv, "chat") == ["READY"]
     view = httpx.get(srv.url + "/v1/units/chat").json()
     phases = view["instances"][0]["cold_start_ms"]
-    assert {"fork", "weights", "tokenizer", "kv_allocation"} <= set(phases)
+    assert {"fork", "weights", "tokenizer", "kv_allocation", "first_token"} <= set(phases)
     assert phases["fork"] < 1500          # forked from the pre-imported zygote, not a fresh interpreter
     assert view["starts"] == 1 and view["desired"] == 1
     events = [e["event"] for e in httpx.get(srv.url + "/v1/status").json()["events"] if e["unit"] == "chat"]

@@ -199,7 +199,7 @@ class UnitBackend:
         ready = [i.backend.stats() for i in self.pool.ready()]
         if not ready:
             return EngineStats(self.waiting, 0, 0.0, 0, 0, 0, 0, 0.0, 0, 0, self.spec.resources.policy,
-                               self.pool.last_report)
+                               self.pool.last_cold_start())
         blocks = sum(s.num_kv_blocks for s in ready)
         free = sum(s.num_free_blocks for s in ready)
         queries = sum(s.prefix_queries for s in ready)
@@ -207,7 +207,8 @@ class UnitBackend:
         return EngineStats(sum(s.num_waiting for s in ready) + self.waiting, sum(s.num_running for s in ready),
                            1.0 - free / blocks if blocks else 0.0, blocks, free, queries, hits,
                            hits / queries if queries else 0.0, sum(s.num_preemptions for s in ready),
-                           sum(s.num_steps for s in ready), self.spec.resources.policy, self.pool.last_report)
+                           sum(s.num_steps for s in ready), self.spec.resources.policy,
+                           self.pool.last_cold_start())
 
     # -- scaling --------------------------------------------------------------------------------------
     def tick(self, now: float) -> ScaleDecision:
@@ -240,7 +241,8 @@ class UnitBackend:
                         "tps": round(m.tps, 3)},
             "slo_health": d.health if d else None, "last_decision": None if d is None else
             {"from": d.current, "to": d.target, "reason": d.reason},
-            "starts": self.pool.starts, "crashes": self.pool.crashes, "routed": dict(self.routed), "cold_start": self.pool.last_report,
+            "starts": self.pool.starts, "crashes": self.pool.crashes, "routed": dict(self.routed),
+            "cold_start": self.pool.last_cold_start(),
             "spec": self.spec.model_dump(),
         }
 

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sits.engine.cold_start import ColdStartReport
 from sits.runtime.instance_client import InstanceBackend
 from sits.runtime.unit_spec import UnitSpec
 
@@ -47,10 +46,19 @@ class Instance:
     error: str | None = None
     task: asyncio.Task | None = None
 
+    def cold_start(self) -> dict:
+        """The start's phases; ``first_token`` (and a background KV touch) join once they happened."""
+        phases = dict(self.report.get("phases_ms", {}))
+        if self.backend is not None and self.backend.ready:
+            for k, v in (self.backend.stats().cold_start.get("phases_ms") or {}).items():
+                if k in ("first_token", "kv_touch_background"):
+                    phases[k] = v
+        return {"phases_ms": phases, "total_ms": self.report.get("total_ms")}
+
     def view(self) -> dict:
+        cs = self.cold_start()
         return {"id": self.id, "state": self.state.value, "pid": self.pid, "inflight": self.inflight,
-                "cold_start_ms": self.report.get("phases_ms", {}), "total_ms": self.report.get("total_ms"),
-                "error": self.error}
+                "cold_start_ms": cs["phases_ms"], "total_ms": cs["total_ms"], "error": self.error}
 
 
 class NoInstanceError(Exception):
@@ -71,6 +79,7 @@ class UnitPool:
         self.starts = 0
         self.crashes = 0
         self.last_report: dict = {}
+        self.last_started: Instance | None = None
 
     # -- views ----------------------------------------------------------------------------------------
     def ready(self) -> list[Instance]:
@@ -168,6 +177,7 @@ class UnitPool:
         phases.update(backend.cold_start.get("phases_ms", {}))
         inst.report = {"phases_ms": phases, "total_ms": round((time.monotonic() - t0) * 1e3, 2)}
         self.last_report = inst.report
+        self.last_started = inst
         inst.state = InstanceState.READY
         inst.ready_at = time.monotonic()
         log.info("unit %s: instance %s READY in %.0f ms %s", self.spec.name, inst.id, inst.report["total_ms"],
@@ -219,6 +229,9 @@ class UnitPool:
             inst.state = InstanceState.STOPPED
         self.instances = []
 
-    @property
-    def cold_start(self) -> ColdStartReport:
-        return ColdStartReport.from_dict(self.last_report)
+    def last_cold_start(self) -> dict:
+        """The most recent start's report (with its first token once served)."""
+        inst = self.last_started
+        if inst is not None and inst.state is InstanceState.READY:
+            return inst.cold_start()
+        return self.last_report
