@@ -201,3 +201,21 @@ def test_driven_load_scales_0_1_n_and_back_to_0(tiny_model_dir, tmp_path):
         assert 'sits:autoscaler_decisions_total{direction="up",unit="elastic"} 2.0' in metrics
     finally:
         srv.stop()
+
+
+def test_an_instance_that_stops_answering_is_replaced(tiny_model_dir, tmp_path):
+    """SIGSTOP: the process is alive but silent; after health_timeout_s it is killed and replaced."""
+    srv, gw = start_gateway(tmp_path, [unit("frozen", tiny_model_dir, min_instances=1, health_timeout_s=1.0)])
+    try:
+        inst = wait_for(lambda: (v := httpx.get(srv.url + "/v1/units/frozen").json()["instances"]) and
+                        v[0]["state"] == "READY" and v[0], what="READY")
+        os.kill(inst["pid"], signal.SIGSTOP)
+        v = wait_for(lambda: (x := httpx.get(srv.url + "/v1/units/frozen").json())["crashes"] == 1 and
+                     [i["state"] for i in x["instances"]] == ["READY"] and x, timeout=30, what="a replacement")
+        assert v["instances"][0]["pid"] != inst["pid"]
+        events = [e["event"] for e in httpx.get(srv.url + "/v1/status").json()["events"]]
+        assert "instance_unresponsive" in events
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "frozen", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200
+    finally:
+        srv.stop()

@@ -355,6 +355,7 @@ class Gateway:
             now = time.monotonic()
             for backend in list(self.units.values()):
                 try:
+                    backend.pool.send_health_checks()
                     backend.tick(now)
                 except Exception:  # noqa: BLE001 - one unit's bug must not stop the others' scaling
                     log.exception("autoscaler tick for %s failed", backend.name)

@@ -58,6 +58,9 @@ class InstanceBackend:
         self._stats: EngineStats | None = None
         self._dead: str | None = None
         self._closing = False
+        self.last_pong = time.monotonic()        # health: the instance answered a ping (or just started)
+        self._ping_seq = 0
+        self._ping_sent: float | None = None     # an unanswered ping went out at this time
         self._reader_task = asyncio.get_running_loop().create_task(self._read_loop(), name=f"instance-{name}")
 
     # -- start ----------------------------------------------------------------------------------------
@@ -161,6 +164,17 @@ class InstanceBackend:
         if q is not None:
             q.put_nowait(error or RequestAbortedError(f"request {request_id} was aborted"))
 
+    def ping(self) -> None:
+        """Ask for a pong (answered between engine steps); ``unanswered_s`` says how long it is pending."""
+        if self._ping_sent is None:
+            self._ping_seq += 1
+            self._ping_sent = time.monotonic()
+            self._send(("ping", self._ping_seq))
+
+    @property
+    def unanswered_s(self) -> float:
+        return 0.0 if self._ping_sent is None else time.monotonic() - self._ping_sent
+
     def stats(self) -> EngineStats:
         if self._stats is not None:
             return self._stats
@@ -198,6 +212,9 @@ class InstanceBackend:
                         self._stats = msg[2]
                 elif kind == "stats":
                     self._stats = msg[1]
+                elif kind == "pong":
+                    self.last_pong = time.monotonic()
+                    self._ping_sent = None
                 elif kind == "error":
                     _, rid, code, message, param, status = msg
                     q = self._streams.get(rid)

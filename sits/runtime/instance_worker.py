@@ -92,6 +92,8 @@ def _loop(engine, conn: socket.socket) -> int:
                         send_blocking(conn, ("error", rid, e.code, e.message, e.param, e.http_status))
                 elif kind == "abort":
                     engine.abort(msg[1])
+                elif kind == "ping":
+                    send_blocking(conn, ("pong", msg[1]))
                 elif kind == "shutdown":
                     return 0
                 dirty = True

@@ -80,6 +80,11 @@ class UnitPool:
         self.crashes = 0
         self.last_report: dict = {}
         self.last_started: Instance | None = None
+        self.health_timeout_s = spec.scale.health_timeout_s
+
+    def send_health_checks(self) -> None:
+        for inst in self.ready():
+            inst.backend.ping()
 
     # -- views ----------------------------------------------------------------------------------------
     def ready(self) -> list[Instance]:
@@ -118,8 +123,23 @@ class UnitPool:
                 self._drain(inst, reason)
 
     def check_health(self) -> None:
+        """Dead processes, and live ones that stopped answering pings for ``health_timeout_s``
+        (killed, then replaced like a crash)."""
         for inst in self.instances:
-            if inst.state is InstanceState.READY and inst.backend is not None and not inst.backend.ready:
+            b = inst.backend
+            if inst.state is InstanceState.READY and b is not None and b.ready and \
+                    b.unanswered_s > self.health_timeout_s:
+                log.warning("unit %s: instance %s (pid %s) has not answered a health check for %.1fs; killing it",
+                            self.spec.name, inst.id, inst.pid, b.unanswered_s)
+                self._on_event("instance_unresponsive", {"instance": inst.id, "pid": inst.pid,
+                                                         "unanswered_s": round(b.unanswered_s, 2)})
+                b.proc.kill()
+                inst.state = InstanceState.STOPPED
+                inst.error = "the instance stopped answering health checks"
+                self.crashes += 1
+                self._notify()
+                continue
+            if inst.state is InstanceState.READY and b is not None and not b.ready:
                 inst.state = InstanceState.STOPPED
                 inst.error = "the instance process died"
                 self.crashes += 1

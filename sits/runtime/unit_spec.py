@@ -42,6 +42,7 @@ class ScaleSpec(_Strict):
     upscale_delay_s: float = Field(0.0, ge=0, description="the trigger must hold this long before a scale-up")
     downscale_delay_s: float = Field(30.0, ge=0, description="calm for this long before a scale-down")
     window_s: float = Field(30.0, gt=0, description="metrics look-back window")
+    health_timeout_s: float = Field(10.0, gt=0, description="an instance silent this long is killed and replaced")
 
     @field_validator("trigger")
     @classmethod
