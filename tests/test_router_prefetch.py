@@ -39,24 +39,25 @@ def test_router_prefers_cached_prefix_then_room_then_load():
     r = Router()
     x, y = Inst("x", FakeBackend()), Inst("y", FakeBackend())
     shared = list(range(64))
-    r.record("y", shared + [1, 2, 3])
-    assert r.choose([x, y], shared + [7, 8], 100)[0] is y           # prefix affinity
+    h = prefix_hashes
+    r.record("y", h(shared + [1, 2, 3]))
+    assert r.choose([x, y], h(shared + [7, 8]), 100)[0] is y        # prefix affinity
     y.backend.free_blocks = 1                                         # ... unless it has no room
-    assert r.choose([x, y], shared, 2000)[0] is x
+    assert r.choose([x, y], h(shared), 2000)[0] is x
     y.backend.free_blocks = 1000
     y.inflight = 60                                                   # ... or it is far busier
-    assert r.choose([x, y], shared, 100)[0] is x
-    fresh = r.choose([x, Inst("z", FakeBackend(), inflight=5)], [1] * 10, 20)[0]
+    assert r.choose([x, y], h(shared), 100)[0] is x
+    fresh = r.choose([x, Inst("z", FakeBackend(), inflight=5)], h([1] * 10), 20)[0]
     assert fresh is x                                                 # no affinity: the least loaded
 
 
 def test_router_session_affinity():
     r = Router()
     x, y = Inst("x", FakeBackend()), Inst("y", FakeBackend())
-    r.record("y", [5] * 20, session_id="s1")
-    inst, why = r.choose([x, y], [1] * 40, 60, session_id="s1")
+    r.record("y", prefix_hashes([5] * 20), session_id="s1")
+    inst, why = r.choose([x, y], prefix_hashes([1] * 40), 60, session_id="s1")
     assert inst is y and why == "session"
-    assert r.choose([x], [1] * 40, 60, session_id="s1")[0] is x       # its instance is gone
+    assert r.choose([x], prefix_hashes([1] * 40), 60, session_id="s1")[0] is x       # its instance is gone
 
 
 def test_prefetcher_learns_p_b_given_a():

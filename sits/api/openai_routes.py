@@ -11,6 +11,7 @@ format exactly (role chunk, deltas, finish chunk, optional usage chunk, ``data: 
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -156,26 +157,14 @@ async def create_completion(body: CompletionRequest, request: Request):
     prompts = completion_prompts(body, backend)
     jobs = []
     for p in prompts:
-        mt = max_tokens if max_tokens is not None else default_max_tokens(
-            backend, len(p) if isinstance(p, list) else len(backend.tokenizer.encode(p)))
+        if max_tokens is None and isinstance(p, str):
+            p = backend.tokenizer.encode(p)      # tokenized once: its length sets the default max_tokens
+        mt = max_tokens if max_tokens is not None else default_max_tokens(backend, len(p))
         jobs.append((p, sampling_params(body, mt, body.logprobs)))
     rid = new_request_id()
     gen = Generation(backend, ctx.metrics, ctx.inflight, rid, jobs, n=body.n, priority=body.priority,
                      interactive=True, accepted_at=accepted_at(request))
-    ignored = body.warning_header()
-    if body.stream:
-        return await _stream(request, gen, _CompletionChunks(f"cmpl-{rid}", backend, gen, body), ignored)
-    await _run(request, gen)
-    choices = []
-    for ch in gen.choices:
-        c: dict[str, Any] = {"index": ch.index, "text": "".join(ch.text), "finish_reason": ch.finish_reason,
-                             "logprobs": None}
-        if body.logprobs is not None:
-            c["logprobs"] = completion_logprobs(backend, ch)
-        choices.append(c)
-    out = {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()),
-           "model": backend.name, "choices": choices, "usage": gen.usage()}
-    return JSONResponse(out, headers=response_headers(gen, ignored))
+    return await _respond(request, gen, _CompletionChunks(f"cmpl-{rid}", backend, gen, body))
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, tags=["openai"],
@@ -192,23 +181,22 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     rid = new_request_id()
     gen = Generation(backend, ctx.metrics, ctx.inflight, rid, [(ids, sampling_params(body, max_tokens, logprobs))],
                      n=body.n, priority=body.priority, interactive=True, accepted_at=accepted_at(request))
-    ignored = body.warning_header()
-    if body.stream:
-        return await _stream(request, gen, _ChatChunks(f"chatcmpl-{rid}", backend, gen, body), ignored)
-    await _run(request, gen)
-    choices = []
-    for ch in gen.choices:
-        c: dict[str, Any] = {"index": ch.index, "message": {"role": "assistant", "content": "".join(ch.text)},
-                             "finish_reason": ch.finish_reason, "logprobs": None}
-        if body.logprobs:
-            c["logprobs"] = chat_logprobs(backend, ch)
-        choices.append(c)
-    out = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
-           "model": backend.name, "choices": choices, "usage": gen.usage()}
-    return JSONResponse(out, headers=response_headers(gen, ignored))
+    return await _respond(request, gen, _ChatChunks(f"chatcmpl-{rid}", backend, gen, body))
 
 
 # -- running ----------------------------------------------------------------------------------------
+async def _respond(request: Request, gen: Generation, chunks: "_Chunks"):
+    """Stream the generation as SSE, or run it to the end and answer one JSON body."""
+    warning = chunks.body.warning_header()
+    if chunks.body.stream:
+        return await _stream(request, gen, chunks, warning)
+    await _run(request, gen)
+    out = {"id": chunks.cid, "object": chunks.response_object, "created": int(time.time()),
+           "model": chunks.backend.name, "choices": [chunks.final_choice(ch) for ch in gen.choices],
+           "usage": gen.usage()}
+    return JSONResponse(out, headers=response_headers(gen, warning))
+
+
 async def _run(request: Request, gen: Generation) -> None:
     """A non-streamed request: run to the end, aborting it if the client goes away meanwhile."""
     try:
@@ -224,10 +212,11 @@ class _Gone(SitsError):
     http_status = 499
 
 
-class _Chunks:
-    """Turns merged (choice, event) pairs into the dialect's chunk dicts."""
+class _Chunks(ABC):
+    """One dialect's shapes: streamed chunks from merged (choice, event) pairs, and the final choices."""
 
-    obj = ""
+    obj = ""                 # the "object" of a streamed chunk
+    response_object = ""     # ... and of the non-streamed response
 
     def __init__(self, cid: str, backend: Backend, gen: Generation, body):
         self.cid, self.backend, self.gen, self.body = cid, backend, gen, body
@@ -241,8 +230,13 @@ class _Chunks:
     def opening(self) -> list[dict]:
         return []
 
+    @abstractmethod
     def delta(self, i: int, ev: TokenEvent) -> dict | None:
-        raise NotImplementedError
+        """The chunk for one event of choice ``i``, or None when it carries nothing to show."""
+
+    @abstractmethod
+    def final_choice(self, ch: ChoiceResult) -> dict[str, Any]:
+        """One choice of the non-streamed response."""
 
     def usage(self) -> dict:
         out = self.base([])
@@ -251,14 +245,15 @@ class _Chunks:
 
 
 class _CompletionChunks(_Chunks):
-    obj = "text_completion"
+    obj = response_object = "text_completion"
 
     def __init__(self, *a):
         super().__init__(*a)
         self.offsets = [0] * len(self.gen.choices)
 
-    def opening(self) -> list[dict]:
-        return []
+    def final_choice(self, ch: ChoiceResult) -> dict[str, Any]:
+        return {"index": ch.index, "text": "".join(ch.text), "finish_reason": ch.finish_reason,
+                "logprobs": completion_logprobs(self.backend, ch) if self.body.logprobs is not None else None}
 
     def delta(self, i: int, ev: TokenEvent) -> dict | None:
         if not ev.text and not ev.finished:
@@ -275,6 +270,12 @@ class _CompletionChunks(_Chunks):
 
 class _ChatChunks(_Chunks):
     obj = "chat.completion.chunk"
+    response_object = "chat.completion"
+
+    def final_choice(self, ch: ChoiceResult) -> dict[str, Any]:
+        return {"index": ch.index, "message": {"role": "assistant", "content": "".join(ch.text)},
+                "finish_reason": ch.finish_reason,
+                "logprobs": chat_logprobs(self.backend, ch) if self.body.logprobs else None}
 
     def opening(self) -> list[dict]:
         return [self.base([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

@@ -110,8 +110,9 @@ def serve(engine_cfg: EngineConfig, settings: ServerSettings, *, host: str = "12
           engine_mode: str = "process") -> int:
     # The engine's step thread and the event loop share the GIL. CPython makes a thread that wants
     # the GIL wait up to the switch interval (5 ms by default) while the other runs Python code, so
-    # every token event would reach its client up to 5 ms late; 0.5 ms bounds that wait (measured
-    # with `sits bench serve`, see docs/benchmarks.md).
+    # every token event would reach its client up to 5 ms late; 0.5 ms bounds that wait. Only the
+    # `--engine thread` mode shares a GIL; a one-stream probe gave ≈ 4.5 -> 3.9 ms of HTTP overhead,
+    # not a recorded benchmark (docs/benchmarks.md compares the engine modes, not this setting).
     sys.setswitchinterval(switch_interval_s)
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from sits.bench.common import log, write_docs
+from sits.bench.common import log, start_sits, stop_sits, wait_until, write_docs
 
 DOC_BEGIN = "<!-- sits bench coldstart: begin -->"
 DOC_END = "<!-- sits bench coldstart: end -->"
@@ -74,19 +73,6 @@ def first_token_ms(url: str, unit: str) -> float:
     raise RuntimeError("no token streamed")
 
 
-def _wait(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            v = pred()
-            if v:
-                return v
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"timed out waiting for {what}")
-
-
 def run_coldstart_bench(model_dir: str, *, repeats: int = 5, json_out: str | None = None,
                         docs_out: str | None = None, threads: int | None = None, skip_naive: bool = False,
                         warmup: str = "all") -> dict:
@@ -97,27 +83,21 @@ def run_coldstart_bench(model_dir: str, *, repeats: int = 5, json_out: str | Non
     (work / "sits.yaml").write_text(f"units:\n  - name: cold\n    model: {model_dir}\n"
                                     f"    scale: {{min_instances: 0, max_instances: 1, keep_alive_s: 3600}}\n"
                                     f"    resources: {res}\n")
-    from sits.bench.serve_bench import _free_port
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     result: dict = {"model": shown, "repeats": repeats, "host": f"{os.cpu_count()} CPU cores", "warmup": warmup}
     naive: list[float] = []
     if not skip_naive:
         for i in range(repeats):
             naive.append(naive_once(model_dir))
             log(f"naive start {i + 1}/{repeats}: {naive[-1]:.0f} ms")
-    proc = subprocess.Popen([sys.executable, "-m", "sits.cli", "up", "--config", str(work / "sits.yaml"), "--port",
-                             str(port), "--data-dir", str(work / "data"), "--log-level", "warning"],
-                            stderr=subprocess.DEVNULL)
+    proc, url = start_sits(["up", "--config", str(work / "sits.yaml"), "--data-dir", str(work / "data")])
     cold: list[float] = []
     warm: list[float] = []
     phases: list[dict] = []
     try:
-        _wait(lambda: httpx.get(url + "/ready", timeout=2).status_code == 200, 300, "the gateway")
-        _wait(lambda: any(e["event"] == "zygote_ready" for e in httpx.get(url + "/v1/status").json()["events"]),
+        wait_until(lambda: any(e["event"] == "zygote_ready" for e in httpx.get(url + "/v1/status").json()["events"]),
               120, "the zygote")
         for i in range(repeats):
-            _wait(lambda: httpx.get(url + "/v1/units/cold").json()["instances"] == [], 60, "zero instances")
+            wait_until(lambda: httpx.get(url + "/v1/units/cold").json()["instances"] == [], 60, "zero instances")
             cold.append(first_token_ms(url, "cold"))
             view = httpx.get(url + "/v1/units/cold").json()
             phases.append(view["instances"][0]["cold_start_ms"])
@@ -126,11 +106,7 @@ def run_coldstart_bench(model_dir: str, *, repeats: int = 5, json_out: str | Non
             log(f"sits start {i + 1}/{repeats}: cold {cold[-1]:.0f} ms, warm {warm[-1]:.1f} ms; {phases[-1]}")
             httpx.post(url + "/v1/units/cold/scale", json={"instances": 0}).raise_for_status()
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_sits(proc)
     med_phases = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
     result.update({
         "naive_ms": statistics.median(naive) if naive else None, "sits_cold_ms": statistics.median(cold),

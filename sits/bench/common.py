@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import signal
+import socket
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+import httpx
 
 DOC_HEADER = "# Benchmarks\n\nEvery figure is a ratio against a baseline measured in the same run.\n\n"
 
@@ -32,3 +38,53 @@ def write_docs(path: Path, section: str, begin: str, end: str) -> None:
     else:
         text = text.rstrip() + "\n\n" + section + "\n"
     path.write_text(text)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(pred, timeout_s: float, what: str, interval_s: float = 0.05):
+    """Poll ``pred`` (HTTP errors count as "not yet") until it returns something truthy."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            v = pred()
+            if v:
+                return v
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval_s)
+    raise RuntimeError(f"timed out after {timeout_s:g} s waiting for {what}")
+
+
+def start_sits(args: list[str], timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
+    """Run ``sits ARGS --port P`` in a child process (never sharing the benchmark's GIL); wait for /ready."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "sits.cli", *args, "--port", str(port), "--log-level", "warning"]
+    log(f"starting: {' '.join(cmd)}")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"sits {args[0]} exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        return httpx.get(url + "/ready", timeout=2).status_code == 200
+
+    try:
+        wait_until(ready, timeout_s, f"sits {args[0]} at {url}", 0.2)
+    except BaseException:
+        proc.kill()
+        raise
+    threading.Thread(target=proc.stderr.read, daemon=True).start()   # a full pipe must never block it
+    return proc, url
+
+
+def stop_sits(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()

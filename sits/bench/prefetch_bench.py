@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -19,8 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from sits.bench.common import log, write_docs
-from sits.bench.serve_bench import _free_port
+from sits.bench.common import log, start_sits, stop_sits, wait_until, write_docs
 
 DOC_BEGIN = "<!-- sits bench prefetch: begin -->"
 DOC_END = "<!-- sits bench prefetch: end -->"
@@ -39,14 +36,6 @@ def _ttft_ms(c: httpx.Client, unit: str, session: str, max_tokens: int) -> float
     return first
 
 
-def _until(pred, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise RuntimeError("timed out")
-        time.sleep(0.05)
-
-
 def one_gateway(model_dir: str, prefetch: bool, train: int, repeats: int, a_tokens: int) -> list[float]:
     work = Path(tempfile.mkdtemp(prefix="sits-prefetch-"))
     res = "{device: cpu, kv_cache_mb: 64}"
@@ -54,18 +43,16 @@ def one_gateway(model_dir: str, prefetch: bool, train: int, repeats: int, a_toke
         f"units:\n  - name: a\n    model: {model_dir}\n    scale: {{min_instances: 1}}\n    resources: {res}\n"
         f"  - name: b\n    model: {model_dir}\n    scale: {{min_instances: 0, keep_alive_s: 3600}}\n"
         f"    resources: {res}\n")
-    port = _free_port()
-    cmd = [sys.executable, "-m", "sits.cli", "up", "--config", str(work / "sits.yaml"), "--port", str(port),
-           "--data-dir", str(work / "data"), "--log-level", "warning"] + ([] if prefetch else ["--no-prefetch"])
-    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
-    c = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600)
+    proc, url = start_sits(["up", "--config", str(work / "sits.yaml"), "--data-dir", str(work / "data")]
+                           + ([] if prefetch else ["--no-prefetch"]))
+    c = httpx.Client(base_url=url, timeout=600)
     out = []
     try:
-        _until(lambda: _ok(c, "/ready"), 300)
-        _until(lambda: [i["state"] for i in c.get("/v1/units/a").json()["instances"]] == ["READY"], 300)
+        wait_until(lambda: [i["state"] for i in c.get("/v1/units/a").json()["instances"]] == ["READY"], 300,
+                   "unit a READY")
         for i in range(train + repeats):
             c.post("/v1/units/b/scale", json={"instances": 0}).raise_for_status()
-            _until(lambda: c.get("/v1/units/b").json()["instances"] == [])
+            wait_until(lambda: c.get("/v1/units/b").json()["instances"] == [], 60, "unit b at zero")
             sid = f"chain-{i}"
             _ttft_ms(c, "a", sid, a_tokens)
             ms = _ttft_ms(c, "b", sid, 4)
@@ -73,19 +60,8 @@ def one_gateway(model_dir: str, prefetch: bool, train: int, repeats: int, a_toke
                 out.append(ms)
                 log(f"prefetch={'on' if prefetch else 'off'} chain {i - train + 1}/{repeats}: TTFT of b {ms:.0f} ms")
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_sits(proc)
     return out
-
-
-def _ok(c: httpx.Client, path: str) -> bool:
-    try:
-        return c.get(path).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def run_prefetch_bench(model_dir: str, *, train: int = 6, repeats: int = 5, a_tokens: int = 32,

@@ -18,10 +18,7 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from sits.bench.common import log, pct, write_docs
+from sits.bench.common import log, pct, start_sits, stop_sits, write_docs
 
 DOC_BEGIN = "<!-- sits bench serve: begin -->"
 DOC_END = "<!-- sits bench serve: end -->"
@@ -202,42 +199,6 @@ def _median_runs(runs: list[dict]) -> dict:
     return out
 
 
-# -- a server of our own ------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model_dir: str, extra_args: list[str], timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "sits.cli", "serve", "--model", model_dir, "--port", str(port),
-           "--log-level", "warning", *extra_args]
-    log(f"starting: {' '.join(cmd)}")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"sits serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"sits serve not ready after {timeout_s} s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
 # -- report -----------------------------------------------------------------------------------------
 def _plot(modes: dict[str, list[dict]], path: Path) -> None:
     import matplotlib
@@ -341,12 +302,12 @@ def run_serve_bench(*, url: str | None, model_dir: str | None, model: str | None
         if model_dir is None:
             raise ValueError("give --url of a running server or --model DIR to start one")
         for mode in engines or ["process"]:
-            proc, mode_url = start_server(model_dir, ["--engine", mode, *(server_args or [])])
+            proc, mode_url = start_sits(["serve", "--model", model_dir, "--engine", mode, *(server_args or [])])
             try:
                 name, modes[mode] = sweep(mode_url, model, concurrency, num_requests, prompt_words, max_tokens,
                                           chat, repeats, mode)
             finally:
-                stop_server(proc)
+                stop_sits(proc)
     result = {"url": url, "model": model_dir or name, "endpoint": "/v1/chat/completions" if chat else "/v1/completions",
               "prompt_words": prompt_words, "max_tokens": max_tokens, "repeats": repeats, "modes": modes,
               "host": f"{os.cpu_count()} CPU cores, client and server on the same host"}

@@ -105,8 +105,10 @@ class PreloadedModel:
         return (os.path.realpath(str(cfg.model)), cfg.dtype, cfg.max_model_len)
 
     def fits(self, cfg: EngineConfig, device: torch.device) -> bool:
-        return device.type == "cpu" and os.path.realpath(self.model_dir) == os.path.realpath(str(cfg.model)) \
-            and self.dtype == cfg.dtype
+        mpe = self.model_config.max_position_embeddings
+        return (device.type == "cpu" and self.dtype == cfg.dtype
+                and os.path.realpath(self.model_dir) == os.path.realpath(str(cfg.model))
+                and self.max_model_len == min(cfg.max_model_len or mpe, mpe))
 
 
 class LLMEngine:
@@ -128,8 +130,6 @@ class LLMEngine:
             self.model_config = preloaded.model_config if preloaded else ModelConfig.from_dir(cfg.model)
             self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                      self.model_config.max_position_embeddings)
-        if preloaded is not None and preloaded.max_model_len != self.max_model_len:
-            preloaded = None
         self.inherited_weights = preloaded is not None
         with self.report.phase("weights"):
             self.model = preloaded.model if preloaded else load_model(cfg.model, self.model_config, self.device,

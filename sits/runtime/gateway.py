@@ -32,7 +32,7 @@ from sits.runtime.unit_pool import UnitPool
 from sits.runtime.unit_spec import UnitSpec
 from sits.runtime.hints import current_hints
 from sits.runtime.prefetch import Prefetcher
-from sits.runtime.router import Router
+from sits.runtime.router import Router, prefix_hashes
 from sits.runtime.unit_store import UnitStore
 from sits.runtime.zygote import ZygoteClient
 
@@ -91,12 +91,12 @@ class UnitBackend:
                                       code="duplicate_request_id")
         return Sequence(request_id, ids, params, priority=priority, interactive=interactive)
 
-    async def _acquire(self, rid: str, seq: Sequence, session_id: str | None):
+    async def _acquire(self, rid: str, seq: Sequence, hashes: list[int], session_id: str | None):
         """A READY instance for this request (the router's pick), or the error it was aborted with."""
         budget = len(seq.prompt_token_ids) + seq.params.max_tokens
 
         def choose(ready):
-            inst, why = self.router.choose(ready, seq.prompt_token_ids, budget, session_id)
+            inst, why = self.router.choose(ready, hashes, budget, session_id)
             self.routed[why] += 1
             return inst
 
@@ -138,9 +138,10 @@ class UnitBackend:
         cur = seq
         hints = current_hints.get()
         self.gateway.observe_call(self.name, hints)
+        hashes = prefix_hashes(seq.prompt_token_ids)
         while True:
-            inst = await self._acquire(rid, cur, hints.session_id)
-            self.router.record(inst.id, seq.prompt_token_ids, hints.session_id)
+            inst = await self._acquire(rid, cur, hashes, hints.session_id)
+            self.router.record(inst.id, hashes, hints.session_id)
             inst.inflight += 1
             self.inflight += 1
             self._placed[rid] = inst.backend
@@ -196,7 +197,9 @@ class UnitBackend:
             backend.abort(request_id, err)
 
     def stats(self) -> EngineStats:
-        ready = [i.backend.stats() for i in self.pool.ready()]
+        return self._aggregate([i.backend.stats() for i in self.pool.ready()])
+
+    def _aggregate(self, ready: list[EngineStats]) -> EngineStats:
         if not ready:
             return EngineStats(self.waiting, 0, 0.0, 0, 0, 0, 0, 0.0, 0, 0, self.spec.resources.policy,
                                self.pool.last_cold_start())
@@ -212,9 +215,11 @@ class UnitBackend:
 
     # -- scaling --------------------------------------------------------------------------------------
     def tick(self, now: float) -> ScaleDecision:
-        st = self.stats()
-        cpu = self.cpu.read([i.pid for i in self.pool.ready() if i.pid])
-        gpus = [u for i in self.pool.ready() if (u := i.backend.stats().gpu_util) is not None]
+        ready = self.pool.ready()
+        per = [i.backend.stats() for i in ready]
+        st = self._aggregate(per)
+        cpu = self.cpu.read([i.pid for i in ready if i.pid])
+        gpus = [s.gpu_util for s in per if s.gpu_util is not None]
         m = self.window.snapshot(queue_depth=st.num_waiting, inflight=self.inflight, cpu_util=cpu,
                                  gpu_util=sum(gpus) / len(gpus) if gpus else None,
                                  kv_util=st.kv_usage if st.num_kv_blocks else None)

@@ -39,15 +39,15 @@ class Router:
         self.max_entries = max_entries_per_instance
         self.max_sessions = max_sessions
 
-    def choose(self, instances: list, prompt_ids: Seq[int], budget_tokens: int, session_id: str | None = None):
-        """``instances``: READY instances with ``id``, ``inflight`` and ``backend.stats()``."""
+    def choose(self, instances: list, hashes: list[int], budget_tokens: int, session_id: str | None = None):
+        """``instances``: READY instances with ``id``, ``inflight`` and ``backend.stats()``; ``hashes``:
+        ``prefix_hashes`` of the prompt (computed once per request, shared with ``record``)."""
         if session_id is not None:
             target = self._sessions.get(session_id)
             for inst in instances:
                 if inst.id == target:
                     self._sessions.move_to_end(session_id)
                     return inst, "session"
-        hashes = prefix_hashes(prompt_ids)
         best, best_score = None, float("-inf")
         for inst in instances:
             cached = self._cached.get(inst.id)
@@ -66,9 +66,9 @@ class Router:
                 best, best_score = inst, score
         return best, "score"
 
-    def record(self, instance_id: str, prompt_ids: Seq[int], session_id: str | None = None) -> None:
+    def record(self, instance_id: str, hashes: list[int], session_id: str | None = None) -> None:
         cached = self._cached.setdefault(instance_id, OrderedDict())
-        for h in prefix_hashes(prompt_ids):
+        for h in hashes:
             cached[h] = None
             cached.move_to_end(h)
         while len(cached) > self.max_entries:
