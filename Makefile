@@ -8,7 +8,7 @@ MODEL_PRESET ?= tiny
 MODEL_TRAIN_SECONDS ?= 120
 BENCH_MODEL_DIR ?= models/small
 
-.PHONY: install run serve generate test test-slow bench bench-serve model clean
+.PHONY: install run serve generate test test-slow test-reliability bench bench-serve model clean
 
 install: $(STAMP)
 
@@ -46,6 +46,10 @@ test: install
 
 test-slow: install
 	$(PY) -m pytest -q -m slow
+
+# load held, the five faults survived, hostile input (bounded: a few minutes on 2 cores)
+test-reliability: install
+	$(PY) -m pytest -q -m reliability -s
 
 $(BENCH_MODEL_DIR)/config.json: | $(STAMP)
 	$(VENV)/bin/sits model build-tiny $(BENCH_MODEL_DIR) --preset small --overwrite

@@ -33,6 +33,16 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
                    help="how long finished /v1/requests stay readable")
     p.add_argument("--drain-grace-s", type=float, default=10.0,
                    help="on shutdown, in-flight streams get this long to finish")
+    p.add_argument("--admin-key", action="append",
+                   help="Bearer key for the /admin endpoints, e.g. fault injection (repeatable; env "
+                        "SITS_ADMIN_KEY); without one they are off")
+    p.add_argument("--allow-private-callbacks", action="store_true",
+                   help="let callback_url point at loopback / private addresses (refused by default)")
+    p.add_argument("--trace-exporter", default=None, choices=["none", "console", "otlp", "memory"],
+                   help="OpenTelemetry spans (default: otlp when OTEL_EXPORTER_OTLP_ENDPOINT is set, else none; "
+                        "memory keeps recent traces for GET /admin/traces)")
+    p.add_argument("--otel-metrics", default=None, choices=["none", "console", "otlp", "memory"],
+                   help="OpenTelemetry GenAI metrics beside /metrics (default: otlp when the OTLP endpoint is set)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -114,7 +124,11 @@ def _server_settings(args: argparse.Namespace):
     from sits.api.context import ServerSettings
     return ServerSettings(api_keys=_api_keys(args), max_body_bytes=args.max_body_bytes,
                           webhook_secret=args.webhook_secret or os.environ.get("SITS_WEBHOOK_SECRET"),
-                          request_retention_s=args.request_retention_s, drain_grace_s=args.drain_grace_s)
+                          request_retention_s=args.request_retention_s, drain_grace_s=args.drain_grace_s,
+                          admin_keys=tuple(args.admin_key or ([os.environ["SITS_ADMIN_KEY"]]
+                                                              if os.environ.get("SITS_ADMIN_KEY") else [])),
+                          allow_private_callbacks=args.allow_private_callbacks,
+                          trace_exporter=args.trace_exporter, otel_metrics=args.otel_metrics)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -189,6 +203,20 @@ def cmd_status(args: argparse.Namespace) -> int:
         phases = u["cold_start"].get("phases_ms") or {}
         if phases:
             print("    last cold start: " + ", ".join(f"{k} {v:.0f}ms" for k, v in phases.items()))
+        quotas = {i["cpu_quota"]["mechanism"] + (f" {i['cpu_quota']['cpus']:g} cpu" if i["cpu_quota"]["cpus"] else "")
+                  for i in u["instances"] if i.get("cpu_quota")}
+        if quotas:
+            print("    cpu quota: " + ", ".join(sorted(quotas)))
+    print()
+    print(f"{'SLA':<16} {'ttft slo':>9} {'target':>7} {'attained':>9} {'in window':>9}  {'breaker':<9} {'trips':>5} "
+          f"{'shed':>5}  fallback")
+    for u in st["units"]:
+        s = u.get("sla") or {}
+        if not s:
+            continue
+        print(f"{u['name']:<16} {_fmt(s['ttft_slo_ms'], '.0f', 'ms'):>9} {s['success_rate_target']:>7.2f} "
+              f"{_fmt(s['attainment'], '.2f'):>9} {s['requests_in_window']:>9}  {s['state']:<9} {s['trips']:>5} "
+              f"{s['rejected']:>5}  {s.get('fallback') or '-'}")
     return 0
 
 

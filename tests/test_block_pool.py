@@ -82,3 +82,27 @@ def test_stats_hit_rate():
     pool.record_lookup(16, 8)
     s = pool.stats()
     assert s.prefix_queries == 16 and s.prefix_hits == 8 and s.hit_rate == 0.5 and s.usage == 0.0
+
+
+def test_background_touched_kv_pool_reads_as_zeros():
+    """An urgent instance's pool is not faulted in yet, but must read as zeros: attention weights
+    masked positions by 0, and 0 x NaN from uninitialised memory would poison a whole batch row
+    (seen as a sampled token id == vocab_size under concurrent decode)."""
+    import torch
+
+    from sits.engine.config import ModelConfig
+    from sits.engine.kv_cache import KVCache
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      max_position_embeddings=64)
+    junk = [torch.full((1 << 20,), float("nan")) for _ in range(8)]     # freed memory full of NaN
+    del junk
+    kv = KVCache(cfg, num_blocks=256, block_size=16, device=torch.device("cpu"), dtype=torch.float32,
+                 touch="background")
+    assert not kv.fully_touched
+    assert all(bool((layer == 0).all()) for layer in kv.layers)
+    kv.layers[0][0, 3].fill_(1.5)
+    while kv.touch_some():
+        pass
+    assert bool((kv.layers[0][0, 3] == 1.5).all()) and kv.fully_touched     # touching keeps contents

@@ -27,6 +27,8 @@ from sits.api.errors import install_error_handlers
 from sits.api.metrics import CONTENT_TYPE, ServerMetrics
 from sits.api.request_store import RequestStore
 from sits.api.webhooks import WebhookDispatcher
+from sits.observe.otel_metrics import GenAiMetrics
+from sits.observe.tracing import Tracing
 from sits.engine.errors import SitsError
 
 log = logging.getLogger("sits.api")
@@ -43,8 +45,10 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
     """``on_startup`` hooks run as background tasks (e.g. loading a model while /ready says 503);
     ``on_shutdown`` hooks run after the drain (e.g. stopping engines)."""
     settings = settings or ServerSettings()
-    metrics = ServerMetrics(lambda: [(b.name, b.stats()) for b in registry.all()])
-    ctx = ServerContext(registry=registry, metrics=metrics, settings=settings)
+    tracing = Tracing(settings.trace_exporter, rates=settings.trace_level_rates)
+    metrics = ServerMetrics(lambda: [(b.name, b.stats()) for b in registry.all()],
+                            otel=GenAiMetrics(settings.otel_metrics))
+    ctx = ServerContext(registry=registry, metrics=metrics, settings=settings, tracing=tracing)
     ctx.store = RequestStore(retention_s=settings.request_retention_s, max_finished=settings.max_retained_requests,
                              max_pending=settings.max_pending_requests)
 
@@ -53,7 +57,8 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
         app.state.webhooks = WebhookDispatcher(metrics, secret=settings.webhook_secret,
                                                max_attempts=settings.webhook_max_attempts,
                                                backoff_s=settings.webhook_backoff_s,
-                                               timeout_s=settings.webhook_timeout_s)
+                                               timeout_s=settings.webhook_timeout_s,
+                                               allow_private=settings.allow_private_callbacks)
         tasks = [asyncio.create_task(hook(app)) for hook in on_startup or []]
         try:
             yield
@@ -65,6 +70,8 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
             await app.state.webhooks.aclose()
             for hook in on_shutdown or []:
                 await hook(app)
+            tracing.shutdown()
+            metrics.otel.shutdown()
 
     app = FastAPI(title="SITS", version=__version__, lifespan=lifespan,
                   description="A serverless runtime for LLM inference: the OpenAI dialect and the SITS "
@@ -100,7 +107,7 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
 
     app.add_middleware(EdgeMiddleware, api_keys=lambda: settings.api_keys,
                        max_body_bytes=lambda: settings.max_body_bytes, draining=lambda: ctx.draining,
-                       body_timeout_s=lambda: settings.body_timeout_s)
+                       body_timeout_s=lambda: settings.body_timeout_s, tracing=lambda: ctx.tracing)
     app.openapi = lambda: _openapi(app)
     return app
 

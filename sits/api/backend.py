@@ -94,18 +94,22 @@ class BackendRegistry:
 
     def get(self, name: str | None) -> Backend:
         if name in self.loading or (name is None and not self._by_name and self.loading):
-            raise ServiceUnavailableError(f"the model {name or next(iter(self.loading))!r} is still loading; "
+            err = ServiceUnavailableError(f"the model {name or next(iter(self.loading))!r} is still loading; "
                                           "retry when GET /ready says ready", param="model", code="model_loading")
+            err.retry_after_s = 1
+            raise err
         if name is None:
-            if len(self._by_name) == 1:
-                return next(iter(self._by_name.values()))
-            raise InvalidRequestError(f"name a model; served: {', '.join(sorted(self._by_name)) or 'none'}",
-                                      param="model", code="model_required")
+            if len(self._by_name) != 1:
+                raise InvalidRequestError(f"name a model; served: {', '.join(sorted(self._by_name)) or 'none'}",
+                                          param="model", code="model_required")
+            name = next(iter(self._by_name))
         try:
-            return self._by_name[name]
+            backend = self._by_name[name]
         except KeyError:
             raise ModelNotFoundError(f"the model {name!r} does not exist; served: "
                                      f"{', '.join(sorted(self._by_name)) or 'none'}", param="model") from None
+        admit = getattr(backend, "admit", None)     # a unit's SLA guard: itself, its fallback, or a 503
+        return admit() if admit is not None else backend
 
     def all(self) -> list[Backend]:
         return list(self._by_name.values())

@@ -29,7 +29,11 @@ class ServerSettings:
     webhook_max_attempts: int = 5
     webhook_backoff_s: float = 0.25         # first retry delay, doubled each attempt
     webhook_timeout_s: float = 5.0
-    allow_private_callbacks: bool = True    # callback_url may point at loopback / private hosts
+    allow_private_callbacks: bool = False   # callback_url may point at loopback / private hosts
+    admin_keys: tuple[str, ...] = ()        # empty: the /admin endpoints are off (403)
+    trace_exporter: str | None = None       # none | console | otlp | memory; None: from the OTEL_* env
+    trace_level_rates: dict[str, float] | None = None   # tail-sampling share per level (default L1 1 .. L4 0.01)
+    otel_metrics: str | None = None         # none | otlp | console | memory; None: from the OTEL_* env
     drain_grace_s: float = 10.0             # on shutdown, in-flight streams get this long to finish
 
 
@@ -42,6 +46,7 @@ class ServerContext:
     started_at: float = field(default_factory=time.time)
     draining: bool = False
     store: object | None = None             # sits.api.request_store.RequestStore, set by create_app
+    tracing: object | None = None           # sits.observe.tracing.Tracing, set by create_app
 
 
 def context_of(request: Request) -> ServerContext:

@@ -40,7 +40,7 @@ def _gateway(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
-def _unit(gw: Gateway, name: str):
+def unit_or_404(gw: Gateway, name: str):
     try:
         return gw.units[name]
     except KeyError:
@@ -63,13 +63,13 @@ async def deploy_unit(spec: UnitSpec, request: Request) -> JSONResponse:
 
 @router.get("/v1/units/{name}", responses=ERRORS)
 async def get_unit(name: str, request: Request) -> dict[str, Any]:
-    return _unit(_gateway(request), name).view()
+    return unit_or_404(_gateway(request), name).view()
 
 
 @router.delete("/v1/units/{name}", responses=ERRORS)
 async def delete_unit(name: str, request: Request) -> dict[str, Any]:
     gw = _gateway(request)
-    _unit(gw, name)
+    unit_or_404(gw, name)
     await gw.undeploy(name)
     return {"name": name, "deleted": True}
 
@@ -77,10 +77,19 @@ async def delete_unit(name: str, request: Request) -> dict[str, Any]:
 @router.post("/v1/units/{name}/scale", responses=ERRORS)
 async def scale_unit(name: str, body: ScaleRequest, request: Request) -> dict[str, Any]:
     gw = _gateway(request)
-    _unit(gw, name)
+    unit_or_404(gw, name)
     return gw.scale(name, body.instances).view()
 
 
 @router.get("/v1/status", responses=ERRORS)
 async def status(request: Request) -> dict[str, Any]:
     return _gateway(request).status()
+
+
+@router.get("/v1/sla", responses=ERRORS)
+async def sla(request: Request) -> dict[str, Any]:
+    """Per unit: the TTFT SLO, attainment over the window, the breaker's state and trips."""
+    rows = []
+    for name, b in _gateway(request).units.items():
+        rows.append({"unit": name, **b.breaker.view(), "fallback": b.spec.fallback, "fallbacks": b.fallbacks})
+    return {"object": "list", "data": rows}

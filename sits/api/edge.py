@@ -19,11 +19,15 @@ import uuid
 from collections.abc import Callable
 
 from sits.api.errors import error_body
+from sits.observe import genai
+from sits.observe.tracing import current_scope, mark_failed, stage
 from sits.runtime.hints import RequestHints, current_hints
 
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
+# a request's latency level until its route knows better (a stream is L1)
+_LEVEL_BY_PATH = {"/v1/chat/completions": "L2", "/v1/completions": "L2", "/v1/requests": "L3"}
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/docs", "/openapi.json", "/redoc")
 
 
@@ -44,8 +48,10 @@ def keys_match(presented: str, keys: tuple[str, ...]) -> bool:
 
 class EdgeMiddleware:
     def __init__(self, app, *, api_keys: Callable[[], tuple[str, ...]], max_body_bytes: Callable[[], int],
-                 draining: Callable[[], bool], body_timeout_s: Callable[[], float] = lambda: 30.0):
+                 draining: Callable[[], bool], body_timeout_s: Callable[[], float] = lambda: 30.0,
+                 tracing: Callable[[], object | None] = lambda: None):
         self.app = app
+        self.tracing = tracing
         self.api_keys = api_keys
         self.max_body_bytes = max_body_bytes
         self.draining = draining
@@ -62,19 +68,49 @@ class EdgeMiddleware:
         session = headers.get(b"x-session-id", b"").decode("latin-1")
         trace = _TRACEPARENT.match(headers.get(b"traceparent", b"").decode("latin-1"))
         current_hints.set(RequestHints(session_id=session if _SANE_ID.match(session) else None,
-                                       trace_id=trace.group(1) if trace else None))
+                                       trace_id=trace.group(1) if trace else None,
+                                       path=scope.get("path")))
         state = scope.setdefault("state", {})
         state["sits_accepted_at"] = t0
         state["request_id"] = rid
         rid_header = (b"x-request-id", rid.encode())
+        path: str = scope.get("path", "")
+        method: str = scope.get("method", "GET")
+        tracing = self.tracing()
+        root = None
+        if tracing is not None and tracing.enabled and not path.startswith(OPEN_PATHS):
+            root = tracing.start_request(f"{method} {path}", t0, trace.group(0) if trace else None,
+                                         {"http.request.method": method, "url.path": path, "sits.request_id": rid,
+                                          genai.LEVEL: _LEVEL_BY_PATH.get(path, "L4")})
+            current_scope.set(root)
+        if root is not None:
+            tp = root.traceparent
+        elif trace:      # not traced here: the client's trace id, our own (unsampled) span id
+            tp = f"00-{trace.group(1)}-{uuid.uuid4().hex[:16]}-00"
+        else:
+            tp = None
+        tp_header = [(b"traceparent", tp.encode())] if tp else []
+        status_seen: list[int] = []
+        try:
+            await self._handle(scope, receive, send, headers, t0, [rid_header] + tp_header, path, method, status_seen,
+                               root)
+        finally:
+            if root is not None:
+                status = status_seen[0] if status_seen else 499
+                root.span.set_attribute("http.response.status_code", status)
+                if status >= 500:
+                    mark_failed(str(status), root)
+                root.span.end()
+
+    async def _handle(self, scope, receive, send, headers, t0, extra_headers, path, method, status_seen, root):
+        rid_headers = list(extra_headers)
 
         async def reply(status: int, message: str, code: str, extra=None) -> None:
             st, hs, body = _json(status, message, code, extra)
-            await send({"type": "http.response.start", "status": st, "headers": hs + [rid_header]})
+            status_seen.append(st)
+            await send({"type": "http.response.start", "status": st, "headers": hs + rid_headers})
             await send({"type": "http.response.body", "body": body})
 
-        path: str = scope.get("path", "")
-        method: str = scope.get("method", "GET")
         keys = self.api_keys()
         if keys and path.startswith("/v1/"):
             auth = headers.get(b"authorization", b"").decode("latin-1")
@@ -113,11 +149,15 @@ class EdgeMiddleware:
                 scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
                          + [(b"content-type", b"application/json")]}
 
+        if root is not None:
+            stage("gateway.accept", t0, time.monotonic(), level="L1")
+
         async def send_with_headers(message):
             if message["type"] == "http.response.start":
+                status_seen.append(message.get("status", 200))
                 hs = list(message.get("headers", []))
                 names = {k.lower() for k, _ in hs}
-                hs.append(rid_header)
+                hs.extend(rid_headers)
                 if b"server-timing" not in names:
                     hs.append((b"server-timing", f"edge;dur={(time.monotonic() - t0) * 1e3:.3f}".encode()))
                 message = {**message, "headers": hs}

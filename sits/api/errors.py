@@ -115,7 +115,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.http_status >= 500 and exc.http_status != 503:   # 503s (loading, draining) are expected
             log.warning("%s %s -> %s %s: %s", request.method, request.url.path, exc.http_status, exc.code,
                         exc.message)
-        return error_response(exc)
+        retry = exc.retry_after_s
+        return error_response(exc, headers={"retry-after": str(retry)} if retry is not None else None)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

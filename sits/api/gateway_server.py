@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from sits.api import control_routes
+from sits.api import admin_routes, control_routes
 from sits.api.app import create_app
 from sits.api.backend import BackendRegistry
 from sits.api.context import ServerSettings
@@ -38,6 +38,15 @@ class _GatewayCollector(Collector):
         starts = CounterMetricFamily("sits:instance_starts", "instances started", labels=["unit"])
         crashes = CounterMetricFamily("sits:instance_crashes", "instances that died", labels=["unit"])
         decisions = CounterMetricFamily("sits:autoscaler_decisions", "scaling changes", labels=["unit", "direction"])
+        breaker = GaugeMetricFamily("sits:sla_breaker_state", "SLA breaker state (1 for the current one)",
+                                    labels=["unit", "state"])
+        attain = GaugeMetricFamily("sits:sla_attainment", "share of responses that met the SLO over the window",
+                                   labels=["unit"])
+        moves = CounterMetricFamily("sits:sla_breaker_transitions", "SLA breaker transitions by target state",
+                                    labels=["unit", "state"])
+        shed = CounterMetricFamily("sits:sla_rejected_requests", "requests the open breaker turned away "
+                                   "(to the fallback or a 503)", labels=["unit"])
+        faults = CounterMetricFamily("sits:fault_injections", "times an injected fault acted", labels=["unit", "kind"])
         for name, b in self.gw.units.items():
             counts: dict[str, int] = {}
             for i in b.pool.instances:
@@ -49,9 +58,18 @@ class _GatewayCollector(Collector):
                 health.add_metric([name], b.last_decision.health)
             starts.add_metric([name], b.pool.starts)
             crashes.add_metric([name], b.pool.crashes)
+            for state in ("CLOSED", "HALF_OPEN", "OPEN"):
+                breaker.add_metric([name, state], 1.0 if b.breaker.state.value == state else 0.0)
+            if (rate := b.breaker.attainment()) is not None:
+                attain.add_metric([name], rate)
+            shed.add_metric([name], b.breaker.rejected)
+            for kind, n in b.fault_hits.items():
+                faults.add_metric([name, kind], n)
         for (unit, direction), n in self.gw.decisions.items():
             decisions.add_metric([unit, direction], n)
-        yield from (inst, desired, health, starts, crashes, decisions)
+        for (unit, state), n in self.gw.breaker_transitions.items():
+            moves.add_metric([unit, state], n)
+        yield from (inst, desired, health, starts, crashes, decisions, breaker, attain, moves, shed, faults)
 
 
 def build_gateway_app(gateway: Gateway, config_units: list[UnitSpec], settings: ServerSettings) -> FastAPI:
@@ -69,6 +87,7 @@ def build_gateway_app(gateway: Gateway, config_units: list[UnitSpec], settings: 
     app = create_app(registry, settings, on_startup=[start], on_shutdown=[stop])
     app.state.gateway = gateway
     app.include_router(control_routes.router)
+    app.include_router(admin_routes.router)
     app.state.sits.metrics.registry.register(_GatewayCollector(gateway))
     app.openapi_schema = None
     return app

@@ -18,6 +18,8 @@ from sits.engine.errors import SitsError
 from sits.engine.llm_engine import TokenEvent
 from sits.engine.sampling_params import SamplingParams
 from sits.engine.sequence import Sequence
+from sits.observe import genai
+from sits.observe import tracing
 
 
 @dataclass(slots=True)
@@ -97,6 +99,9 @@ class Generation:
                                                  priority=priority, interactive=interactive))
                 self.choices.append(ChoiceResult(idx, p_idx))
         self.prepared_at = time.monotonic()
+        tracing.stage("validate", self.accepted_at, self.prepared_at, level="L1",
+                      attributes={"sits.sequences": len(self.seqs)})
+        self.ttft_slo_ms: float | None = getattr(backend, "ttft_slo_ms", None)
         self.num_prompts = len(jobs)
         self._started = False
         self._closed = False
@@ -187,6 +192,9 @@ class Generation:
             async for ev in self.backend.stream(seq):
                 self.metrics.observe_token(model, ev, prev)
                 if ev.token_id is not None:
+                    if prev is None and self.ttft_slo_ms is not None and \
+                            (time.monotonic() - self.accepted_at) * 1e3 > self.ttft_slo_ms:
+                        tracing.annotate({genai.SLO_VIOLATED: True, "sits.ttft_slo_ms": self.ttft_slo_ms})
                     prev = ev.time
                 choice.add(ev)
                 yield i, ev
@@ -194,6 +202,24 @@ class Generation:
             self.inflight.discard(seq.request_id)
             if choice.finish_reason is None:
                 self.metrics.observe_abort(model)
+            self._trace_engine(i, choice)
+
+    def _trace_engine(self, i: int, choice: ChoiceResult) -> None:
+        """The engine's stages of one choice, from its own timestamps: queue, prefill, decode."""
+        first, last = choice.first, choice.last
+        if first is None or tracing.current_scope.get() is None:
+            return
+        sched = first.first_scheduled_time or first.arrival_time
+        ftt = first.first_token_time or first.time
+        attrs = {"sits.choice": i}
+        tracing.stage("engine.queue", first.arrival_time, sched, level="L1", attributes=attrs)
+        tracing.stage("engine.prefill", sched, ftt, level="L1",
+                      attributes={**attrs, genai.USAGE_INPUT: first.num_prompt_tokens,
+                                  "sits.cached_tokens": first.num_cached_tokens})
+        if last is not None:
+            tracing.stage("engine.decode", ftt, last.time, level="L2",
+                          attributes={**attrs, genai.USAGE_OUTPUT: len(choice.token_ids),
+                                      "sits.finish_reason": choice.finish_reason or "abort"})
 
     async def run(self) -> None:
         """Consume to the end (non-streaming responses)."""

@@ -15,13 +15,8 @@ from prometheus_client.registry import Collector
 
 from sits.api.lifecycle import LifecycleEvent
 from sits.engine.llm_engine import EngineStats, TokenEvent
-
-# gen_ai.server.time_to_first_token advised buckets (seconds)
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
-# gen_ai.server.time_per_output_token
-TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-# gen_ai.server.request.duration
-DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+from sits.observe.genai import DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
+from sits.observe.otel_metrics import GenAiMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -61,7 +56,9 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     """One registry per app (tests run several apps in one process)."""
 
-    def __init__(self, engine_stats: Callable[[], Iterable[tuple[str, EngineStats]]] | None = None):
+    def __init__(self, engine_stats: Callable[[], Iterable[tuple[str, EngineStats]]] | None = None,
+                 otel: GenAiMetrics | None = None):
+        self.otel = otel or GenAiMetrics("none")
         self.registry = CollectorRegistry()
         r = self.registry
         m = ["model_name"]
@@ -96,6 +93,7 @@ class ServerMetrics:
         if prev_time is None:
             if ev.first_token_time is not None:
                 self.ttft.labels(model).observe(ev.first_token_time - ev.arrival_time)
+                self.otel.first_token(model, ev.first_token_time - ev.arrival_time)
                 if ev.first_scheduled_time is not None:
                     self.queue.labels(model).observe(ev.first_scheduled_time - ev.arrival_time)
                     self.prefill.labels(model).observe(ev.first_token_time - ev.first_scheduled_time)
@@ -106,8 +104,11 @@ class ServerMetrics:
             self.generation_tokens.labels(model).inc(ev.num_output_tokens)
             self.request_success.labels(model, ev.finish_reason or "unknown").inc()
             self.e2e.labels(model).observe(ev.time - ev.arrival_time)
+            tpot = None
             if ev.num_output_tokens > 1 and ev.first_token_time is not None:
-                self.tpot.labels(model).observe((ev.time - ev.first_token_time) / (ev.num_output_tokens - 1))
+                tpot = (ev.time - ev.first_token_time) / (ev.num_output_tokens - 1)
+                self.tpot.labels(model).observe(tpot)
+            self.otel.finished(model, ev.time - ev.arrival_time, tpot, ev.num_prompt_tokens, ev.num_output_tokens)
 
     def observe_abort(self, model: str) -> None:
         self.request_success.labels(model, "abort").inc()

@@ -28,6 +28,7 @@ from sits.api.sse import SSE_DONE, ClientDisconnected, SSEResponse, sse_data, un
 from sits.engine.errors import ContextLengthExceededError, InvalidRequestError, SitsError
 from sits.engine.llm_engine import TokenEvent
 from sits.engine.sampling_params import SamplingParams
+from sits.observe import genai, tracing
 
 router = APIRouter()
 
@@ -185,12 +186,30 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
 
 
 # -- running ----------------------------------------------------------------------------------------
+def _trace_request(gen: Generation, chunks: "_Chunks") -> None:
+    body = chunks.body
+    tracing.annotate({genai.OPERATION: "chat" if isinstance(body, ChatCompletionRequest) else "text_completion",
+                      genai.PROVIDER_NAME: genai.PROVIDER, genai.REQUEST_MODEL: body.model or chunks.backend.name,
+                      genai.REQUEST_MAX_TOKENS: gen.seqs[0].params.max_tokens, genai.REQUEST_TEMPERATURE: body.temperature,
+                      genai.REQUEST_TOP_P: body.top_p, genai.REQUEST_SEED: body.seed,
+                      genai.REQUEST_CHOICES: body.n if body.n != 1 else None,
+                      genai.LEVEL: "L1" if body.stream else "L2", "sits.stream": bool(body.stream)})
+
+
+def _trace_response(gen: Generation, chunks: "_Chunks") -> None:
+    tracing.annotate({genai.RESPONSE_ID: chunks.cid, genai.RESPONSE_MODEL: chunks.backend.name,
+                      genai.USAGE_INPUT: gen.prompt_tokens, genai.USAGE_OUTPUT: gen.completion_tokens,
+                      genai.RESPONSE_FINISH_REASONS: [c.finish_reason or "abort" for c in gen.choices]})
+
+
 async def _respond(request: Request, gen: Generation, chunks: "_Chunks"):
     """Stream the generation as SSE, or run it to the end and answer one JSON body."""
     warning = chunks.body.warning_header()
+    _trace_request(gen, chunks)
     if chunks.body.stream:
         return await _stream(request, gen, chunks, warning)
     await _run(request, gen)
+    _trace_response(gen, chunks)
     out = {"id": chunks.cid, "object": chunks.response_object, "created": int(time.time()),
            "model": chunks.backend.name, "choices": [chunks.final_choice(ch) for ch in gen.choices],
            "usage": gen.usage()}
@@ -326,6 +345,8 @@ async def _stream(request: Request, gen: Generation, chunks: _Chunks, ignored: s
 async def _sse_body(gen: Generation, events: AsyncIterator[tuple[int, TokenEvent]],
                     first: tuple[int, TokenEvent] | None, chunks: _Chunks, meta: _Meta | None) -> AsyncIterator[bytes]:
     prev_time: dict[int, float] = {}
+    started = time.monotonic()
+    error: str | None = None
     try:
         opening = chunks.opening()
         if meta is not None and first is not None:
@@ -366,9 +387,15 @@ async def _sse_body(gen: Generation, events: AsyncIterator[tuple[int, TokenEvent
                 meta.tag(u, "decode", 0.0)
             yield sse_data(u)
     except SitsError as e:  # e.g. the server is draining: tell the client why the stream ends
+        error = e.code
         yield sse_data({"error": sits_error_as_dict(e)})
     finally:
         await events.aclose()
+        _trace_response(gen, chunks)
+        tracing.stage("stream_out", started, time.monotonic(), level="L2", async_mechanism="stream", error=error,
+                      attributes={"sits.chunks": meta.seq if meta is not None else None})
+        if error is not None:
+            tracing.mark_failed(error)
     yield SSE_DONE
 
 

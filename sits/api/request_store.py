@@ -46,6 +46,7 @@ class TrackedRequest:
     task: asyncio.Task | None = None
     cancel_reason: tuple[str, str] | None = None     # (code, message) set by DELETE
     finished_at: float | None = None                 # time.monotonic() when terminal
+    trace: Any = None                                # the execution's tracing Scope, when traced
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def start(self, subscribers: list[Subscriber]) -> None:

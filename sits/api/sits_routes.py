@@ -26,6 +26,7 @@ from sits.api.sse import SSE_KEEPALIVE, SSEResponse, sse_event
 from sits.api.webhooks import WebhookDispatcher, validate_callback_url
 from sits.engine.errors import InvalidRequestError, SitsError
 from sits.engine.sampling_params import SamplingParams
+from sits.observe import genai, tracing
 
 log = logging.getLogger("sits.api")
 router = APIRouter(tags=["sits"])
@@ -58,11 +59,20 @@ async def submit(body: SitsRequest, request: Request) -> JSONResponse:
         raise InvalidRequestError("prompt is empty", param="prompt", code="empty_prompt")
     subscribers = [ctx.metrics.on_transition]
     rid = f"req_{new_request_id()}"
+    t0 = accepted_at(request)
+    # the work goes on after the 202: one live span across that boundary, every transition an event on it
+    tracing.annotate({genai.LEVEL: "L3", genai.OPERATION: "chat" if body.messages is not None else "text_completion",
+                      genai.REQUEST_MODEL: body.unit, genai.REQUEST_MAX_TOKENS: body.constraints.max_tokens,
+                      "sits.request_id": rid})
+    execution = tracing.open_child("request.execute", t0, level="L3", async_mechanism="queue",
+                                   attributes={"sits.request_id": rid, genai.REQUEST_MODEL: body.unit})
+    if execution is not None:
+        subscribers.append(lambda ev: execution.span.add_event(ev.state.value, timestamp=ev.timestamp_ns))
     if body.callback_url is not None:
         validate_callback_url(body.callback_url, allow_private=ctx.settings.allow_private_callbacks)
-        subscribers.append(_dispatcher(request).subscriber(rid, body.callback_url))
+        subscribers.append(_dispatcher(request).subscriber(rid, body.callback_url, trace=execution))
     tr = _store(request).create(rid, body.unit, subscribers)
-    t0 = accepted_at(request)
+    tr.trace = execution
     tr.task = asyncio.get_running_loop().create_task(_execute(ctx, tr, body, t0), name=f"sits-request-{rid}")
     headers = {"location": f"/v1/requests/{rid}"}
     if (warning := body.warning_header()) is not None:
@@ -140,6 +150,25 @@ def _validate(ctx: ServerContext, body: SitsRequest):
 
 
 async def _execute(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest, t0: float) -> None:
+    tracing.current_scope.set(tr.trace)       # this task's stages are children of the execution span
+    try:
+        await _run_request(ctx, tr, body, t0)
+    finally:
+        if tr.trace is not None:
+            err = tr.error or {}
+            code = err.get("code") if tr.lifecycle.state is RequestState.REJECTED else None
+            if code is not None:
+                tr.trace.span.set_attribute("sits.rejected_code", code)
+            server_side = code is not None and code not in ("cancelled", "unit_not_found", "tool_not_allowed",
+                                                             "memory_not_found") and not code.startswith("invalid")
+            tracing.annotate({genai.USAGE_INPUT: (tr.usage or {}).get("prompt_tokens"),
+                              genai.USAGE_OUTPUT: (tr.usage or {}).get("completion_tokens"),
+                              genai.RESPONSE_FINISH_REASONS: [tr.finish_reason] if tr.finish_reason else None,
+                              "sits.state": tr.lifecycle.state.value}, tr.trace)
+            tracing.close(tr.trace, error=code if server_side else None)
+
+
+async def _run_request(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest, t0: float) -> None:
     lc = tr.lifecycle
     timeout_ms = body.constraints.timeout_ms
     deadline = None if timeout_ms is None else t0 + timeout_ms / 1e3

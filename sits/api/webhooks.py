@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import hmac
 import ipaddress
+import socket
 import json
 import logging
 import time
@@ -22,17 +23,48 @@ import httpx
 from sits.api.lifecycle import LifecycleEvent
 from sits.api.metrics import ServerMetrics
 from sits.engine.errors import InvalidRequestError
+from sits.observe import tracing
 
 log = logging.getLogger("sits.webhooks")
 
 
-def validate_callback_url(url: str, *, allow_private: bool = True) -> str:
-    """A 400 unless ``url`` is a plain absolute http(s) URL (no credentials, no control characters)."""
+MAX_CALLBACK_URL = 2048
+
+
+def _literal_ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address a host names literally, in any form a resolver accepts (127.1, 2130706433, 0x7f.1, ::1)."""
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host))     # the classic shorthand / decimal / hex forms
+    except OSError:
+        return None
+
+
+def is_private_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    mapped = getattr(ip, "ipv4_mapped", None)
+    if mapped is not None:
+        ip = mapped
+    return (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_reserved
+            or ip.is_multicast)
+
+
+def validate_callback_url(url: str, *, allow_private: bool = False) -> str:
+    """A 400 unless ``url`` is a plain absolute http(s) URL (no credentials, no control characters),
+    and, unless ``allow_private``, one that does not name a loopback / private / link-local host
+    (the server's own admin endpoints, a cloud metadata service). Names that *resolve* to such an
+    address are refused at delivery time (``WebhookDispatcher``)."""
     def bad(why: str) -> InvalidRequestError:
         return InvalidRequestError(f"callback_url {why}", param="callback_url", code="invalid_callback_url")
 
+    if len(url) > MAX_CALLBACK_URL:
+        raise bad(f"is longer than {MAX_CALLBACK_URL} characters")
     if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url):
         raise bad("must not contain whitespace or control characters")
+    if "%0d" in url.lower() or "%0a" in url.lower() or "%00" in url:
+        raise bad("must not contain encoded line breaks or NUL")
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError on a bad port
@@ -45,14 +77,24 @@ def validate_callback_url(url: str, *, allow_private: bool = True) -> str:
     if parts.username or parts.password:
         raise bad("must not carry credentials")
     if not allow_private:
-        try:
-            ip = ipaddress.ip_address(parts.hostname)
-        except ValueError:
-            ip = None
-        if parts.hostname == "localhost" or (ip is not None and (ip.is_private or ip.is_loopback
-                                                                 or ip.is_link_local)):
-            raise bad("points at a private or loopback address, which this server refuses")
+        host = parts.hostname.rstrip(".")
+        ip = _literal_ip(host)
+        if host == "localhost" or host.endswith(".localhost") or (ip is not None and is_private_address(ip)):
+            raise bad("points at a private or loopback address, which this server refuses "
+                      "(start it with --allow-private-callbacks to allow)")
     return url
+
+
+async def resolves_private(host: str) -> bool:
+    """True if ``host`` resolves to any private / loopback address (or does not resolve)."""
+    ip = _literal_ip(host)
+    if ip is not None:
+        return is_private_address(ip)
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None)
+    except OSError:
+        return True
+    return any(is_private_address(ipaddress.ip_address(info[4][0].split("%")[0])) for info in infos)
 
 
 def sign(secret: str, timestamp: str, body: bytes) -> str:
@@ -67,8 +109,9 @@ def verify(secret: str, timestamp: str, body: bytes, signature: str) -> bool:
 
 class WebhookDispatcher:
     def __init__(self, metrics: ServerMetrics, *, secret: str | None = None, max_attempts: int = 5,
-                 backoff_s: float = 0.25, timeout_s: float = 5.0):
+                 backoff_s: float = 0.25, timeout_s: float = 5.0, allow_private: bool = False):
         self.metrics = metrics
+        self.allow_private = allow_private
         self.secret = secret
         self.max_attempts = max_attempts
         self.backoff_s = backoff_s
@@ -77,29 +120,40 @@ class WebhookDispatcher:
         self._queues: dict[str, asyncio.Queue] = {}
         self._workers: set[asyncio.Task] = set()
 
-    def subscriber(self, request_id: str, url: str):
-        """The lifecycle subscriber that queues this request's events for ``url``."""
+    def subscriber(self, request_id: str, url: str, trace: "tracing.Scope | None" = None):
+        """The lifecycle subscriber that queues this request's events for ``url``; deliveries carry
+        ``traceparent`` (the request's execution span) and are spans of their own under it."""
         def on_event(ev: LifecycleEvent) -> None:
             q = self._queues.get(request_id)
             if q is None:
                 q = self._queues[request_id] = asyncio.Queue()
-                task = asyncio.get_running_loop().create_task(self._worker(request_id, url, q))
+                task = asyncio.get_running_loop().create_task(self._worker(request_id, url, q, trace))
                 self._workers.add(task)
                 task.add_done_callback(self._workers.discard)
             q.put_nowait(ev)
         return on_event
 
-    async def _worker(self, request_id: str, url: str, q: asyncio.Queue) -> None:
+    async def _worker(self, request_id: str, url: str, q: asyncio.Queue, trace=None) -> None:
         try:
             while True:
                 ev: LifecycleEvent = await q.get()
-                await self._deliver(url, ev)
+                t0 = time.monotonic()
+                ok = await self._deliver(url, ev, trace.traceparent if trace is not None else None)
+                if trace is not None:
+                    tracing.stage("webhook.deliver", t0, time.monotonic(), parent=trace, level="L4",
+                                  async_mechanism="callback", error=None if ok else "webhook_failed",
+                                  attributes={"sits.event": ev.state.value, "url.full": url})
                 if ev.state.terminal:
                     return
         finally:
             self._queues.pop(request_id, None)
 
-    async def _deliver(self, url: str, ev: LifecycleEvent) -> bool:
+    async def _deliver(self, url: str, ev: LifecycleEvent, traceparent: str | None = None) -> bool:
+        if not self.allow_private and await resolves_private(urlsplit(url).hostname or ""):
+            log.warning("webhook %s for %s refused: the host resolves to a private or loopback address",
+                        url, ev.request_id)
+            self.metrics.webhook_deliveries.labels("refused").inc()
+            return False
         body = json.dumps({"object": "sits.request.event", **ev.to_dict()}, separators=(",", ":")).encode()
         delay = self.backoff_s
         for attempt in range(1, self.max_attempts + 1):
@@ -109,6 +163,8 @@ class WebhookDispatcher:
                        "x-sits-delivery-attempt": str(attempt)}
             if self.secret:
                 headers["x-sits-signature"] = sign(self.secret, ts, body)
+            if traceparent:
+                headers["traceparent"] = traceparent
             try:
                 r = await self._client.post(url, content=body, headers=headers)
                 if r.status_code < 300:

@@ -12,6 +12,7 @@ class SitsError(Exception):
 
     code = "internal_error"
     http_status = 500
+    retry_after_s: int | None = None      # when set, the caller may retry after this many seconds
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)

@@ -1,12 +1,16 @@
 """The KV cache tensors: allocated once at start and touched, so serving never page-faults.
 
 With ``touch="background"`` (a cold start with a request already waiting) the tensors are
-allocated untouched and ``touch_some`` faults them in a slice at a time while the engine is idle;
-a slice is rewritten with its own contents, so blocks already holding K/V keep them.
+allocated as zero pages the kernel has not mapped yet (a large calloc is an anonymous mmap, never
+written), and ``touch_some`` faults them in a slice at a time while the engine is idle; a slice is
+rewritten with its own contents, so blocks already holding K/V keep them. The pool must read as
+zeros from the start: attention over a padded block table multiplies masked positions' V by a zero
+weight, and 0 x NaN (uninitialised memory) would poison the whole row.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from sits.engine.config import ModelConfig
@@ -31,7 +35,7 @@ class KVCache:
                            for _ in range(cfg.num_hidden_layers)]
             self._pending: list[tuple[int, int]] = []
         else:
-            self.layers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+            self.layers = [_lazy_zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)]
             self._pending = [(layer, start) for layer in range(len(self.layers))
                              for start in range(0, num_blocks, self.TOUCH_BLOCKS)]
         self.nbytes = sum(t.numel() * t.element_size() for t in self.layers)
@@ -49,3 +53,10 @@ class KVCache:
             view = self.layers[layer][:, start:start + self.TOUCH_BLOCKS]
             view.copy_(view)
         return bool(self._pending)
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor whose pages are not touched yet (numpy's zeros is calloc: for large sizes the
+    kernel's zero pages, mapped on first access; torch.zeros writes every page)."""
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

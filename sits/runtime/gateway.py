@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import time
@@ -26,7 +27,10 @@ from sits.engine.request_validator import RequestValidator
 from sits.engine.sampling_params import SamplingParams
 from sits.engine.sequence import Sequence
 from sits.engine.tokenizer import Tokenizer
+from sits.faults import FaultInjector, FaultsSpec
+from sits.observe import tracing
 from sits.runtime.autoscaler import Autoscaler, ScaleDecision
+from sits.runtime.sla import NOT_OUTCOMES, BreakerState, SlaBreaker, SlaBreakerOpenError
 from sits.runtime.unit_metrics import CpuMeter, MetricsWindow
 from sits.runtime.unit_pool import UnitPool
 from sits.runtime.unit_spec import UnitSpec
@@ -61,6 +65,7 @@ class UnitBackend:
         self.validator = RequestValidator(self.tokenizer, vocab_size=mc.vocab_size, max_model_len=self.max_model_len,
                                           block_size=16, num_kv_blocks=1 << 30)
         self.kv_capacity_tokens = self.max_model_len
+        self.ttft_slo_ms = spec.slo.ttft_ms        # responses slower than this are SLO violations (traces keep them)
         self.gateway = gateway
         self.pool = UnitPool(spec, on_event=lambda kind, data: gateway.record(spec.name, kind, data),
                              launcher=gateway.launcher)
@@ -75,6 +80,62 @@ class UnitBackend:
         self.last_decision: ScaleDecision | None = None
         self._waiters: dict[str, asyncio.Future] = {}
         self._placed: dict[str, object] = {}      # request id -> instance backend serving it
+        self.breaker = SlaBreaker(spec.sla, spec.slo.ttft_ms, on_transition=self._breaker_moved)
+        self.fallbacks = 0                        # requests sent to the fallback unit while open
+        self.faults = FaultInjector(spec.faults or FaultsSpec())
+        self._directed: dict[str, object] = {}    # instance id -> the fault directives it was sent
+        self._past_fault_hits: collections.Counter = collections.Counter()
+
+    @property
+    def fault_hits(self) -> collections.Counter:
+        """Times each fault kind acted on this unit, over every fault set it had (for metrics)."""
+        return self._past_fault_hits + self.faults.hits
+
+    # -- the SLA guard and faults ---------------------------------------------------------------------
+    def _breaker_moved(self, frm: BreakerState, to: BreakerState, why: str) -> None:
+        self.gateway.record(self.name, "breaker", {"from": frm.value, "to": to.value, "reason": why})
+        self.gateway.breaker_transitions[(self.name, to.value)] += 1
+        (log.warning if to is BreakerState.OPEN else log.info)("unit %s: SLA breaker %s -> %s (%s)",
+                                                                self.name, frm.value, to.value, why)
+
+    def admit(self) -> "UnitBackend":
+        """This unit if its breaker lets the request through, else its fallback unit, else a fast 503."""
+        if self.breaker.admits():
+            return self
+        self.breaker.rejected += 1
+        fb = self.gateway.units.get(self.spec.fallback) if self.spec.fallback else None
+        if fb is not None and fb is not self and fb.breaker.admits():
+            self.fallbacks += 1
+            return fb
+        err = SlaBreakerOpenError(
+            f"unit {self.name} is shedding load: its SLA breaker is open (success rate below "
+            f"{self.spec.sla.success_rate:g} over the last {self.spec.sla.window_s:g}s)"
+            + ("" if not self.spec.fallback else f" and its fallback {self.spec.fallback!r} cannot take it"),
+            param="model")
+        err.retry_after_s = self.breaker.retry_after_s()
+        raise err
+
+    def set_faults(self, spec: FaultsSpec | None) -> None:
+        """Replace this unit's faults (admin endpoint); instances get the new directives at once."""
+        self._past_fault_hits.update(self.faults.hits)
+        self.faults = FaultInjector(spec or FaultsSpec())
+        self.gateway.record(self.name, "faults", {"inject": [f.kind for f in self.faults.spec.inject],
+                                                  "enabled": self.faults.spec.enabled, "seed": self.faults.spec.seed})
+        self.direct_instances()
+
+    def direct_instances(self) -> None:
+        """Send each READY instance its fault directives when they changed (none: an empty set)."""
+        ready = self.pool.ready()
+        for gone in set(self._directed) - {i.id for i in ready}:
+            del self._directed[gone]
+        for inst in ready:
+            d = self.faults.directives_for(inst.id)
+            if self._directed.get(inst.id) != d:
+                if not (d.empty and inst.id not in self._directed):
+                    inst.backend.send_directives(d.to_dict())
+                    if not d.empty:
+                        self.gateway.record(self.name, "fault_directives", {"instance": inst.id, **d.to_dict()})
+                self._directed[inst.id] = d
 
     # -- the Backend API ------------------------------------------------------------------------------
     @property
@@ -92,13 +153,16 @@ class UnitBackend:
         return Sequence(request_id, ids, params, priority=priority, interactive=interactive)
 
     async def _acquire(self, rid: str, seq: Sequence, hashes: list[int], session_id: str | None):
-        """A READY instance for this request (the router's pick), or the error it was aborted with."""
+        """A READY instance for this request and why the router picked it, or the error it was aborted with."""
         budget = len(seq.prompt_token_ids) + seq.params.max_tokens
 
         def choose(ready):
             inst, why = self.router.choose(ready, hashes, budget, session_id)
             self.routed[why] += 1
+            reasons.append(why)
             return inst
+
+        reasons: list[str] = []
 
         self.waiting += 1
         aborted: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -110,14 +174,62 @@ class UnitBackend:
             if aborted in done:
                 acquire.cancel()
                 raise aborted.result()
-            return acquire.result()
+            return acquire.result(), (reasons[-1] if reasons else None)
         finally:
             self.waiting -= 1
             self._waiters.pop(rid, None)
             if not aborted.done():
                 aborted.cancel()
 
+    def _trace_route(self, start: float, inst, why: str | None, failovers: int) -> None:
+        """The route stage (queueing in the gateway included); if this request waited for the instance's
+        cold start, a ``cold_start`` span with one child per phase (laid end to end, as measured)."""
+        if tracing.current_scope.get() is None:
+            return
+        now = time.monotonic()
+        scope = tracing.stage("route", start, now, level="L1",
+                              attributes={"sits.unit": self.name, "sits.instance": inst.id,
+                                          "sits.route.reason": why,
+                                          "sits.failover": failovers or None})
+        if inst.ready_at is not None and inst.ready_at > start and inst.report:
+            cs = tracing.stage("cold_start", inst.requested_at, inst.ready_at, parent=scope, level="L1",
+                               async_mechanism="fork" if "fork" in inst.report.get("phases_ms", {}) else "spawn",
+                               attributes={"sits.instance": inst.id, "sits.pid": inst.pid})
+            t = inst.requested_at
+            for phase, ms in inst.report.get("phases_ms", {}).items():
+                tracing.stage(f"cold_start.{phase}", t, t + ms / 1e3, parent=cs, level="L1")
+                t += ms / 1e3
+
     async def stream(self, seq: Sequence) -> AsyncIterator[TokenEvent]:
+        """Stream from an instance (with failover); the end is one outcome for the SLA breaker.
+
+        The outcome's TTFT is the gateway's own (from ``prepare``: queueing, cold start and link
+        delays included), because that is what the client waited for.
+        """
+        self.window.arrival()
+        self.idle_since = None
+        probe = self.breaker.probe_started()
+        error_code: str | None = None
+        finished = False
+        seen_first: list[float] = []      # the gateway's own time to first token (ms), once known
+        try:
+            async with contextlib.aclosing(self._stream_with_failover(seq, seen_first)) as events:
+                async for ev in events:    # aclosing: a client that leaves aborts the instance's work now
+                    if ev.finished:
+                        finished = True
+                    yield ev
+        except SitsError as e:
+            if e.http_status >= 500 and e.code not in NOT_OUTCOMES:
+                error_code = e.code
+            raise
+        finally:
+            if finished or error_code is not None:
+                self.breaker.record(self.breaker.classify(seen_first[0] if seen_first else None, error_code),
+                                    probe=probe)
+            elif probe:
+                self.breaker.probe_cancelled()
+
+    async def _stream_with_failover(self, seq: Sequence, seen_first: list[float]) -> AsyncIterator[TokenEvent]:
         """Stream from an instance; if it dies mid-stream, resume on another one.
 
         Failover re-prefills the prompt plus the tokens already sent and asks for the rest, so the
@@ -125,8 +237,6 @@ class UnitBackend:
         uninterrupted run; a seeded sampler restarts its random stream at the resume point).
         """
         rid = seq.request_id
-        self.window.arrival()
-        self.idle_since = None
         sent: list[int] = []
         first: float | None = None
         first_token_time: float | None = None
@@ -139,15 +249,29 @@ class UnitBackend:
         hints = current_hints.get()
         self.gateway.observe_call(self.name, hints)
         hashes = prefix_hashes(seq.prompt_token_ids)
+        faults = self.faults
+        if faults.active and (lag := faults.queue_lag_s(hints.path)):
+            await asyncio.sleep(lag)      # fault: held in the gateway queue
+        block = faults.first_frame_s(hints.path) if faults.active else 0.0
         while True:
-            inst = await self._acquire(rid, cur, hashes, hints.session_id)
+            t_route = seq.arrival_time if not failovers else time.monotonic()   # gateway queueing included
+            inst, why = await self._acquire(rid, cur, hashes, hints.session_id)
+            self._trace_route(t_route, inst, why, failovers)
             self.router.record(inst.id, hashes, hints.session_id)
             inst.inflight += 1
             self.inflight += 1
             self._placed[rid] = inst.backend
             done = len(sent)
             try:
+                if faults.active and (d := faults.link_delay_s(hints.path)):
+                    await asyncio.sleep(d)    # fault: the request's frame to the instance is late
                 async for ev in inst.backend.stream(cur):
+                    if faults.active:
+                        if d := faults.link_delay_s(hints.path):
+                            await asyncio.sleep(d)     # fault: this event's frame is late
+                        if block and not sent:
+                            await asyncio.sleep(block)  # fault: the first frame is held back
+                            block = 0.0
                     if done:   # a resumed stream: number its tokens after the ones already sent
                         ev = replace(ev, index=ev.index + done, num_output_tokens=ev.num_output_tokens + done,
                                      num_prompt_tokens=len(seq.prompt_token_ids), num_cached_tokens=cached,
@@ -162,6 +286,8 @@ class UnitBackend:
                         if prev is not None:
                             itls.append((ev.time - prev) * 1e3)
                         prev = ev.time
+                        if not seen_first:
+                            seen_first.append((time.monotonic() - seq.arrival_time) * 1e3)
                     if ev.finished:
                         self.window.finished(first, (ev.time - ev.arrival_time) * 1e3, ev.num_output_tokens, itls)
                     yield ev
@@ -234,6 +360,8 @@ class UnitBackend:
             self.pool.scale_to(d.target, d.reason, urgent=d.current == 0 and self.waiting > 0)
         else:
             self.pool.reconcile(d.reason)        # replaces crashed instances
+        if self.faults.active or self._directed:
+            self.direct_instances()
         return d
 
     def view(self) -> dict:
@@ -248,6 +376,8 @@ class UnitBackend:
             {"from": d.current, "to": d.target, "reason": d.reason},
             "starts": self.pool.starts, "crashes": self.pool.crashes, "routed": dict(self.routed),
             "cold_start": self.pool.last_cold_start(),
+            "sla": self.breaker.view() | {"fallback": self.spec.fallback, "fallbacks": self.fallbacks},
+            "faults": self.faults.view() if self.faults.spec.inject else None,
             "spec": self.spec.model_dump(),
         }
 
@@ -264,6 +394,7 @@ class Gateway:
         self.tick_s = tick_s
         self.events: collections.deque[dict] = collections.deque(maxlen=1000)
         self.decisions: collections.Counter = collections.Counter()
+        self.breaker_transitions: collections.Counter = collections.Counter()   # (unit, to state) -> n
         self._loop_task: asyncio.Task | None = None
 
     def launcher(self):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 class RequestHints:
     session_id: str | None = None
     trace_id: str | None = None
+    path: str | None = None          # the HTTP route (fault injection can be scoped to routes)
 
     @property
     def chain_key(self) -> str | None:

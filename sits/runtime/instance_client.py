@@ -171,6 +171,10 @@ class InstanceBackend:
             self._ping_sent = time.monotonic()
             self._send(("ping", self._ping_seq))
 
+    def send_directives(self, directives: dict) -> None:
+        """Fault injection: a step-time floor (staged) and whether to ignore pings (see sits.faults)."""
+        self._send(("directives", directives))
+
     @property
     def unanswered_s(self) -> float:
         return 0.0 if self._ping_sent is None else time.monotonic() - self._ping_sent

@@ -66,9 +66,33 @@ def _stats(engine):
     return engine.stats()
 
 
+class _Directives:
+    """Injected faults this instance obeys: its steps take at least the current stage's time; pings
+    go unanswered while ``drop_pings`` (the process stays alive and keeps serving)."""
+
+    def __init__(self) -> None:
+        self.stages_ms: list[float] = []
+        self.stage_s = 0.0
+        self.since = 0.0
+        self.drop_pings = False
+
+    def update(self, d: dict) -> None:
+        self.stages_ms = list(d.get("step_stages_ms") or [])
+        self.stage_s = float(d.get("stage_s") or 0.0)
+        self.since = time.monotonic()
+        self.drop_pings = bool(d.get("drop_pings"))
+
+    def step_floor_s(self) -> float:
+        if not self.stages_ms:
+            return 0.0
+        i = int((time.monotonic() - self.since) / self.stage_s) if self.stage_s > 0 else 0
+        return self.stages_ms[min(i, len(self.stages_ms) - 1)] / 1e3
+
+
 def _loop(engine, conn: socket.socket) -> int:
     from sits.engine.errors import SitsError
 
+    faults = _Directives()
     decoder = FrameDecoder()
     dirty = True
     last_stats = 0.0
@@ -93,12 +117,18 @@ def _loop(engine, conn: socket.socket) -> int:
                 elif kind == "abort":
                     engine.abort(msg[1])
                 elif kind == "ping":
-                    send_blocking(conn, ("pong", msg[1]))
+                    if not faults.drop_pings:
+                        send_blocking(conn, ("pong", msg[1]))
+                elif kind == "directives":
+                    faults.update(msg[1])
                 elif kind == "shutdown":
                     return 0
                 dirty = True
         if engine.has_unfinished:
+            t_step = time.monotonic()
             events = engine.step()
+            if (floor := faults.step_floor_s()) > 0:
+                time.sleep(max(0.0, floor - (time.monotonic() - t_step)))    # fault: a degraded step
             now = time.monotonic()
             stats = None
             if now - last_stats >= STATS_INTERVAL_S or not engine.has_unfinished:

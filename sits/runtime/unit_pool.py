@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sits.runtime.cpu_quota import CpuQuotaManager, thread_cap
 from sits.runtime.instance_client import InstanceBackend
 from sits.runtime.unit_spec import UnitSpec
 
@@ -45,6 +46,7 @@ class Instance:
     report: dict = field(default_factory=dict)     # phases_ms incl. spawn; set when READY
     error: str | None = None
     task: asyncio.Task | None = None
+    quota: dict | None = None                      # the CpuQuota applied to its process, if any
 
     def cold_start(self) -> dict:
         """The start's phases; ``first_token`` (and a background KV touch) join once they happened."""
@@ -58,11 +60,23 @@ class Instance:
     def view(self) -> dict:
         cs = self.cold_start()
         return {"id": self.id, "state": self.state.value, "pid": self.pid, "inflight": self.inflight,
-                "cold_start_ms": cs["phases_ms"], "total_ms": cs["total_ms"], "error": self.error}
+                "cold_start_ms": cs["phases_ms"], "total_ms": cs["total_ms"], "error": self.error,
+                "cpu_quota": self.quota}
 
 
 class NoInstanceError(Exception):
     pass
+
+
+_quota_manager: CpuQuotaManager | None = None
+
+
+def quota_manager() -> CpuQuotaManager:
+    """One per process: it owns the ``sits`` cgroup parent."""
+    global _quota_manager
+    if _quota_manager is None:
+        _quota_manager = CpuQuotaManager()
+    return _quota_manager
 
 
 class UnitPool:
@@ -81,6 +95,13 @@ class UnitPool:
         self.last_report: dict = {}
         self.last_started: Instance | None = None
         self.health_timeout_s = spec.scale.health_timeout_s
+
+    def _stopped(self, inst: Instance, error: str | None = None) -> None:
+        inst.state = InstanceState.STOPPED
+        if error is not None:
+            inst.error = error
+        if inst.quota is not None and inst.quota.get("cgroup"):
+            quota_manager().release(inst.id)
 
     def send_health_checks(self) -> None:
         for inst in self.ready():
@@ -134,14 +155,12 @@ class UnitPool:
                 self._on_event("instance_unresponsive", {"instance": inst.id, "pid": inst.pid,
                                                          "unanswered_s": round(b.unanswered_s, 2)})
                 b.proc.kill()
-                inst.state = InstanceState.STOPPED
-                inst.error = "the instance stopped answering health checks"
+                self._stopped(inst, "the instance stopped answering health checks")
                 self.crashes += 1
                 self._notify()
                 continue
             if inst.state is InstanceState.READY and b is not None and not b.ready:
-                inst.state = InstanceState.STOPPED
-                inst.error = "the instance process died"
+                self._stopped(inst, "the instance process died")
                 self.crashes += 1
                 log.warning("unit %s: instance %s (pid %s) died; replacing it", self.spec.name, inst.id, inst.pid)
                 self._on_event("instance_crashed", {"instance": inst.id, "pid": inst.pid})
@@ -153,6 +172,8 @@ class UnitPool:
         self.instances.append(inst)
         self.starts += 1
         cfg = self.spec.engine_config()
+        if self.spec.resources.cpu_quota is not None and cfg.threads is None:
+            cfg.threads = thread_cap(self.spec.resources.cpu_quota)   # no more threads than the share
         if urgent:          # someone is waiting: no warm-up, KV pool faulted in while idle
             cfg.warmup = False
             cfg.kv_touch = "background"
@@ -171,6 +192,9 @@ class UnitPool:
             marks[phase] = time.monotonic()
             if phase == "spawned":
                 inst.pid = info.get("pid")
+                cpus = self.spec.resources.cpu_quota
+                if cpus is not None and inst.pid:
+                    inst.quota = quota_manager().apply(inst.pid, cpus, inst.id).to_dict()
             if phase == "loading" and inst.state is InstanceState.STARTING:
                 inst.state = InstanceState.WARMING
 
@@ -180,15 +204,14 @@ class UnitPool:
             backend = await InstanceBackend.spawn(cfg, self.spec.name, on_phase=on_phase,
                                                   launcher=launcher)
         except Exception as e:  # noqa: BLE001 - a failed start is reported and retried by reconcile
-            inst.state = InstanceState.STOPPED
-            inst.error = f"{type(e).__name__}: {e}"
+            self._stopped(inst, f"{type(e).__name__}: {e}")
             log.error("unit %s: instance %s failed to start: %s", self.spec.name, inst.id, inst.error)
             self._on_event("instance_failed", {"instance": inst.id, "error": inst.error})
             self._notify()
             return
         if inst.state is InstanceState.DRAINING:       # scaled down while it was starting
             await backend.shutdown()
-            inst.state = InstanceState.STOPPED
+            self._stopped(inst)
             self._notify()
             return
         inst.backend = backend
@@ -218,7 +241,7 @@ class UnitPool:
             await asyncio.sleep(0.05)
         if inst.backend is not None:
             await inst.backend.shutdown()
-        inst.state = InstanceState.STOPPED
+        self._stopped(inst)
         self._on_event("instance_stopped", {"instance": inst.id})
         self._notify()
 
@@ -246,7 +269,7 @@ class UnitPool:
         for inst in self.instances:
             if inst.backend is not None and inst.state is not InstanceState.STOPPED:
                 await inst.backend.shutdown()
-            inst.state = InstanceState.STOPPED
+            self._stopped(inst)
         self.instances = []
 
     def last_cold_start(self) -> dict:

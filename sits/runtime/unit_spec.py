@@ -6,7 +6,10 @@
     scale: {min_instances: 0, max_instances: 4, keep_alive_s: 300,
             trigger: "ttft_p95 > 800ms || kv_util > 85%"}
     slo: {ttft_ms: 2000, itl_ms: 500, tps: 1200, target_health: 0.75}
-    resources: {device: auto, threads: 2, kv_blocks: auto}
+    resources: {device: auto, threads: 2, kv_blocks: auto, cpu_quota: 1.5}
+    sla: {success_rate: 0.85, window_s: 30, min_requests: 10, open_s: 5, half_open_probes: 3}
+    fallback: chat-small            # where requests go while the SLA breaker is open (else 503)
+    faults: {seed: 1, inject: [{kind: link_jitter, min_ms: 10, max_ms: 500}]}   # see sits.faults
 
 A config for ``sits up`` holds ``units: [ ... ]`` of these. Every problem is reported as
 ``file:line:column: field: what is wrong (what is allowed)``; all problems at once, not the first.
@@ -25,6 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from sits.engine.config import EngineConfig
 from sits.engine.errors import SitsError
+from sits.faults.spec import FaultsSpec
+from sits.runtime.sla import SlaSpec
 from sits.runtime.trigger import TriggerError, parse_trigger
 
 UNIT_NAME = r"^[a-z0-9][a-z0-9._-]{0,62}$"
@@ -78,6 +83,9 @@ class ResourcesSpec(_Strict):
     policy: Literal["pfsd", "fcfs"] = "pfsd"
     warmup: bool | Literal["all", "minimal"] = Field(
         "all", description="warm-up at start: all serving shapes, minimal (one prefill, one decode), or false")
+    cpu_quota: float | None = Field(None, gt=0, le=1024,
+                                    description="CPU cores per instance (cgroup quota where the host allows it, "
+                                                "a thread cap otherwise)")
 
     @field_validator("kv_blocks")
     @classmethod
@@ -94,6 +102,15 @@ class UnitSpec(_Strict):
     scale: ScaleSpec = Field(default_factory=ScaleSpec)
     slo: SloSpec = Field(default_factory=SloSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    sla: SlaSpec = Field(default_factory=SlaSpec)
+    fallback: str | None = Field(None, pattern=UNIT_NAME, description="the unit that serves while the breaker is open")
+    faults: FaultsSpec | None = Field(None, description="fault injection (testing): see sits.faults")
+
+    @model_validator(mode="after")
+    def _no_self_fallback(self) -> "UnitSpec":
+        if self.fallback == self.name:
+            raise ValueError(f"unit {self.name!r} cannot be its own fallback")
+        return self
 
     @field_validator("prompt_template")
     @classmethod
