@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -101,7 +102,7 @@ def test_up_iu_and_status_drive_a_running_gateway(tiny_model_dir, tmp_path):
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    res = '{device: cpu, kv_cache_mb: 16, max_model_len: 256, warmup: false, threads: 1}'
+    res = '{device: cpu, kv_cache_mb: 16, max_model_len: 256, warmup: false, threads: 1, cpu_quota: 1.5}'
     (tmp_path / "sits.yaml").write_text(
         f"units:\n  - name: main\n    model: {tiny_model_dir}\n    scale: {{min_instances: 1}}\n    resources: {res}\n")
     (tmp_path / "extra.yaml").write_text(f"name: extra\nmodel: {tiny_model_dir}\nresources: {res}\n")
@@ -135,6 +136,9 @@ def test_up_iu_and_status_drive_a_running_gateway(tiny_model_dir, tmp_path):
         assert c.status_code == 200
         r = _sits("status", *cli)
         assert r.returncode == 0 and "last cold start: fork" in r.stdout and "main" in r.stdout
+        assert re.search(r"cpu quota: (cgroup-v1|cgroup-v2|threads) 1\.5 cpu", r.stdout), r.stdout
+        sla_rows = [ln.split() for ln in r.stdout.splitlines() if ln.startswith(("SLA", "main", "extra"))][-3:]
+        assert sla_rows[0][:3] == ["SLA", "ttft", "slo"] and sla_rows[1][0] == "main" and "CLOSED" in sla_rows[1]
         assert json.loads(_sits("status", "--json", *cli).stdout)["units"][0]["name"] == "main"
         r = _sits("iu", "delete", "extra", *cli)
         assert r.returncode == 0

@@ -131,13 +131,30 @@ def unit(name, model, **extra):
         **extra})
 
 
+def test_an_instance_runs_under_its_cpu_quota(guarded):
+    srv, _ = guarded
+    [inst] = httpx.get(srv.url + "/v1/units/solo").json()["instances"]
+    q = inst["cpu_quota"]
+    assert q["cpus"] == 0.5 and q["threads"] == 1
+    assert q["mechanism"] in ("cgroup-v1", "cgroup-v2", "threads"), q
+    if q["mechanism"] == "cgroup-v1":
+        import os
+        assert open(os.path.join(q["cgroup"], "cpu.cfs_quota_us")).read().strip() == "50000"
+        assert str(inst["pid"]) in open(os.path.join(q["cgroup"], "cgroup.procs")).read().split()
+    elif q["mechanism"] == "cgroup-v2":
+        import os
+        assert open(os.path.join(q["cgroup"], "cpu.max")).read().split()[0] == "50000"
+
+
 @pytest.fixture(scope="module")
 def guarded(tiny_model_dir, tmp_path_factory):
     units = [unit("main", tiny_model_dir, slo={"ttft_ms": 400},
                   sla={"min_requests": 3, "open_s": 1.5, "half_open_probes": 1, "window_s": 60},
                   fallback="backup"),
              unit("solo", tiny_model_dir, slo={"ttft_ms": 400},
-                  sla={"min_requests": 2, "open_s": 30, "half_open_probes": 1}),
+                  sla={"min_requests": 2, "open_s": 30, "half_open_probes": 1},
+                  resources={"device": "cpu", "kv_cache_mb": 16, "max_model_len": 256, "warmup": False,
+                             "cpu_quota": 0.5}),
              unit("backup", tiny_model_dir)]
     gw = Gateway(tmp_path_factory.mktemp("gw-sla"), tick_s=0.2)
     app = build_gateway_app(gw, units, ServerSettings(drain_grace_s=0.5, admin_keys=(ADMIN,)))

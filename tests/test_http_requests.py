@@ -206,6 +206,21 @@ def test_webhook_receives_every_transition_in_order_signed(server, receiver):
     assert got[-1]["json"]["payload"]["finish_reason"] in ("length", "stop")
 
 
+def test_webhooks_carry_the_clients_trace(server, receiver):
+    trace = "0af7651916cd43dd8448eb211c80319c"
+    r = httpx.post(server.url + "/v1/requests", json={"prompt": "trace me", "constraints": {"max_tokens": 2},
+                                                      "callback_url": receiver.srv.url + "/hook"},
+                   headers={"traceparent": f"00-{trace}-b7ad6b7169203331-01"})
+    assert r.headers["traceparent"].split("-")[1] == trace
+    rid = r.json()["id"]
+    wait_terminal(server, rid)
+    deadline = time.monotonic() + 10
+    while len(receiver.events_for(rid)) < 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert {g["headers"]["traceparent"].split("-")[1] for g in receiver.events_for(rid)} == {trace}
+
+
 def test_webhook_retries_with_backoff(server, receiver):
     v = submit(server, prompt="retry me", callback_url=receiver.srv.url + "/flaky")
     wait_terminal(server, v["id"])

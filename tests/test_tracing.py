@@ -198,3 +198,61 @@ def test_a_cold_start_is_part_of_the_trace_of_the_request_that_waited(tiny_model
         assert any(s["name"] == "cold_start.weights" and s["duration_ms"] > 0 for s in view["spans"])
     finally:
         srv.stop()
+
+
+def test_otlp_export_is_switched_on_by_the_standard_endpoint_variable(serve_tiny, monkeypatch):
+    """A real OTLP/HTTP receiver: spans and GenAI metrics arrive as protobuf at /v1/traces, /v1/metrics."""
+    import threading
+
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from conftest import start_server
+
+    got: dict[str, list[bytes]] = {"/v1/traces": [], "/v1/metrics": []}
+    lock = threading.Lock()
+
+    async def collect(request):
+        body = await request.body()
+        assert request.headers["content-type"] == "application/x-protobuf"
+        with lock:
+            got[request.url.path].append(body)
+        return Response(b"", media_type="application/x-protobuf")
+
+    async def ready(request):
+        return Response(b"ok")
+
+    collector = start_server(Starlette(routes=[Route("/v1/traces", collect, methods=["POST"]),
+                                               Route("/v1/metrics", collect, methods=["POST"]),
+                                               Route("/ready", ready)]))
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.url)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "200")
+    try:
+        srv = serve_tiny(ServerSettings(drain_grace_s=0.5), engine_mode="thread")
+        assert srv.app.state.sits.tracing.exporter_name == "otlp"
+        r = httpx.post(srv.url + "/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True})
+        assert r.status_code == 200
+        trace_id = bytes.fromhex(r.headers["traceparent"].split("-")[1])
+        names: set[str] = set()
+        metrics: set[str] = set()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not ({"engine.prefill", "stream_out"} <= names and
+                                                   "gen_ai.server.time_to_first_token" in metrics):
+            time.sleep(0.1)
+            with lock:
+                traces, mets = list(got["/v1/traces"]), list(got["/v1/metrics"])
+            for body in traces:
+                for rs in ExportTraceServiceRequest.FromString(body).resource_spans:
+                    names |= {s.name for ss in rs.scope_spans for s in ss.spans if s.trace_id == trace_id}
+            for body in mets:
+                for rm in ExportMetricsServiceRequest.FromString(body).resource_metrics:
+                    metrics |= {m.name for sm in rm.scope_metrics for m in sm.metrics}
+        assert {"POST /v1/chat/completions", "engine.prefill", "engine.decode", "stream_out"} <= names
+        assert "gen_ai.server.time_to_first_token" in metrics and "gen_ai.server.request.duration" in metrics
+    finally:
+        collector.stop()

@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from sits.api.errors import ModelNotFoundError, ServiceUnavailableError
+from sits.api.errors import ModelNotFoundError, ServiceUnavailableError, clip
 from sits.engine.async_engine import AsyncEngine
 from sits.engine.errors import InvalidRequestError, SitsError
 from sits.engine.llm_engine import EngineStats, TokenEvent
@@ -106,7 +106,7 @@ class BackendRegistry:
         try:
             backend = self._by_name[name]
         except KeyError:
-            raise ModelNotFoundError(f"the model {name!r} does not exist; served: "
+            raise ModelNotFoundError(f"the model {clip(name)} does not exist; served: "
                                      f"{', '.join(sorted(self._by_name)) or 'none'}", param="model") from None
         admit = getattr(backend, "admit", None)     # a unit's SLA guard: itself, its fallback, or a 503
         return admit() if admit is not None else backend

@@ -22,6 +22,8 @@ class ServerSettings:
     api_keys: tuple[str, ...] = ()          # empty: no auth
     max_body_bytes: int = 1 << 20           # 413 above this
     body_timeout_s: float = 30.0            # 408 when a request body takes longer to arrive
+    header_timeout_s: float = 10.0          # 408 and close when a request head takes longer (slowloris)
+    max_header_bytes: int = 64 * 1024       # 431 above this (request line + headers)
     webhook_secret: str | None = None       # HMAC-SHA256 signature on webhook POSTs when set
     request_retention_s: float = 600.0      # finished SITS requests stay readable this long
     max_retained_requests: int = 10_000     # ... and at most this many are kept

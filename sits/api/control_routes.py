@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from sits.api.errors import ErrorResponse
+from sits.api.errors import ErrorResponse, clip
 from sits.engine.errors import SitsError
 from sits.runtime.gateway import Gateway
 from sits.runtime.unit_spec import UnitSpec
@@ -44,7 +44,7 @@ def unit_or_404(gw: Gateway, name: str):
     try:
         return gw.units[name]
     except KeyError:
-        raise UnitNotFoundError(f"no unit {name!r}; deployed: {', '.join(sorted(gw.units)) or 'none'}",
+        raise UnitNotFoundError(f"no unit {clip(name)}; deployed: {', '.join(sorted(gw.units)) or 'none'}",
                                 param="name") from None
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from sits.api.errors import error_body
 from sits.observe import genai
-from sits.observe.tracing import current_scope, mark_failed, stage
+from sits.observe.tracing import close, current_scope, mark_failed, stage
 from sits.runtime.hints import RequestHints, current_hints
 
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -90,6 +90,7 @@ class EdgeMiddleware:
         else:
             tp = None
         tp_header = [(b"traceparent", tp.encode())] if tp else []
+        state["sits_traceparent"] = tp
         status_seen: list[int] = []
         try:
             await self._handle(scope, receive, send, headers, t0, [rid_header] + tp_header, path, method, status_seen,
@@ -100,7 +101,7 @@ class EdgeMiddleware:
                 root.span.set_attribute("http.response.status_code", status)
                 if status >= 500:
                     mark_failed(str(status), root)
-                root.span.end()
+                close(root)       # on the same monotonic timeline as every stage (the wall clock may step)
 
     async def _handle(self, scope, receive, send, headers, t0, extra_headers, path, method, status_seen, root):
         rid_headers = list(extra_headers)
@@ -143,6 +144,11 @@ class EdgeMiddleware:
             except _Disconnected:
                 return
             receive = _replay(body, receive)
+            if path.startswith("/v1/") or path.startswith("/admin/"):
+                try:
+                    body.decode("utf-8")     # JSON is UTF-8 (RFC 8259): refuse anything else here, typed
+                except UnicodeDecodeError as e:
+                    return await reply(400, f"request body is not valid UTF-8 (byte {e.start})", "invalid_json")
             ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
             if path.startswith("/v1/") and ctype in (b"", b"application/x-www-form-urlencoded"):
                 # `curl -d` sends form-urlencoded by default; every /v1 body is JSON, so read it as such

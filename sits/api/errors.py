@@ -68,6 +68,11 @@ class ServiceUnavailableError(SitsError):
     http_status = 503
 
 
+def clip(text: str, limit: int = 64) -> str:
+    """A client-supplied name, quoted and cut short: errors name what was wrong without echoing megabytes."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
 def error_type(status: int) -> str:
     return _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
@@ -127,6 +132,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 400 and "error parsing the body" in message:
+            # FastAPI's answer for bodies its JSON parser cannot read (invalid UTF-8, nesting too deep,
+            # a number too long to convert): the same stable code as any other malformed JSON
+            code, message = "invalid_json", "request body is not valid JSON (UTF-8, bounded nesting and numbers)"
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
         return JSONResponse(error_body(message, exc.status_code, code), status_code=exc.status_code,

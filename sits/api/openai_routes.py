@@ -72,24 +72,34 @@ def default_max_tokens(backend: Backend, prompt_len: int) -> int:
     return room
 
 
+MAX_SEQUENCES_PER_REQUEST = 256     # prompts x n: one request cannot flood the engine queue
+
+
 def completion_prompts(req: CompletionRequest, backend: Backend) -> list[str | list[int]]:
     p = req.prompt
     if isinstance(p, str):
         return [p]
     if not p:
         raise InvalidRequestError("prompt is empty", param="prompt", code="empty_prompt")
-    if all(isinstance(x, str) for x in p):
-        return list(p)
     if all(isinstance(x, int) for x in p):
         return [list(p)]
+    if len(p) * req.n > MAX_SEQUENCES_PER_REQUEST:
+        raise InvalidRequestError(f"{len(p)} prompts x n={req.n} is {len(p) * req.n} sequences; at most "
+                                  f"{MAX_SEQUENCES_PER_REQUEST} per request", param="prompt",
+                                  code="too_many_sequences")
+    if all(isinstance(x, str) for x in p):
+        return list(p)
     return [list(x) for x in p]
 
 
 def chat_prompt_ids(req: ChatCompletionRequest, backend: Backend) -> list[int]:
+    if len(req.messages) > backend.max_model_len:     # every message renders to a token at least
+        raise ContextLengthExceededError(f"{len(req.messages)} messages cannot fit in this model's "
+                                         f"{backend.max_model_len} tokens", param="messages")
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                 for m in req.messages]
     text = backend.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
-    ids = backend.tokenizer.encode(text)
+    ids = backend.tokenizer.encode(text, max_tokens=backend.max_model_len)
     if not ids:
         raise InvalidRequestError("the rendered conversation is empty", param="messages", code="empty_prompt")
     return ids
@@ -221,7 +231,7 @@ async def _run(request: Request, gen: Generation) -> None:
     try:
         await until_disconnect(request, gen.run())
     except ClientDisconnected:
-        raise _Gone() from None
+        raise _Gone("the client disconnected before the response was ready") from None
 
 
 class _Gone(SitsError):
@@ -331,7 +341,7 @@ async def _stream(request: Request, gen: Generation, chunks: _Chunks, ignored: s
         first = await until_disconnect(request, events.__anext__())
     except ClientDisconnected:
         await events.aclose()
-        raise _Gone() from None
+        raise _Gone("the client disconnected before the response was ready") from None
     except StopAsyncIteration:
         first = None
     except BaseException:

@@ -7,9 +7,9 @@ vLLM does, so clients that send parameters SITS does not implement keep working.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from sits.engine.sampling_params import MAX_LOGPROBS
 
@@ -197,8 +197,9 @@ class SitsRequest(_Request):
     unit: str | None = Field(None, min_length=1, description="the unit (served model); default: the only one")
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    memory_ref: str | None = Field(None, min_length=1)
-    allowed_tools: list[str] | None = None
+    memory_ref: str | None = Field(None, min_length=1, max_length=256)
+    allowed_tools: list[Annotated[str, StringConstraints(min_length=1, max_length=128)]] | None = Field(
+        None, max_length=64, description='tool contracts with semver constraints, e.g. "file.read@^1.2"')
     constraints: Constraints = Field(default_factory=Constraints)
     callback_url: str | None = Field(None, max_length=2048, description="receives every transition as a POST")
     temperature: float | None = Field(None, ge=0.0, le=2.0)

@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from sits.api.app import create_app, drain
 from sits.api.backend import BackendRegistry, EngineBackend
 from sits.api.context import ServerSettings
+from sits.api.http_protocol import guarded_protocol
 from sits.engine.async_engine import AsyncEngine
 from sits.engine.cold_start import ColdStartReport
 from sits.engine.config import EngineConfig
@@ -32,6 +33,9 @@ class DrainingServer(uvicorn.Server):
     """uvicorn, but a shutdown first drains the app (streams told why they end)."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI, grace_s: float):
+        settings: ServerSettings = app.state.sits.settings
+        if config.http == "auto":      # the request head gets a deadline and a size cap (slowloris, huge headers)
+            config.http = guarded_protocol(settings.header_timeout_s, settings.max_header_bytes)
         super().__init__(config)
         self.sits_app = app
         self.grace_s = grace_s

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from sits.api.context import ServerContext, accepted_at, context_of, new_request_id
-from sits.api.errors import ConflictError, ErrorResponse, ModelNotFoundError, RequestNotFoundError
+from sits.api.errors import ConflictError, ErrorResponse, ModelNotFoundError, RequestNotFoundError, clip
 from sits.api.generation import Generation
 from sits.api.lifecycle import RequestState
 from sits.api.protocol import SitsRequest, SitsRequestView
@@ -67,10 +67,12 @@ async def submit(body: SitsRequest, request: Request) -> JSONResponse:
     execution = tracing.open_child("request.execute", t0, level="L3", async_mechanism="queue",
                                    attributes={"sits.request_id": rid, genai.REQUEST_MODEL: body.unit})
     if execution is not None:
-        subscribers.append(lambda ev: execution.span.add_event(ev.state.value, timestamp=ev.timestamp_ns))
+        subscribers.append(lambda ev: execution.span.add_event(ev.state.value,
+                                                               timestamp=tracing.wall_ns(time.monotonic())))
     if body.callback_url is not None:
         validate_callback_url(body.callback_url, allow_private=ctx.settings.allow_private_callbacks)
-        subscribers.append(_dispatcher(request).subscriber(rid, body.callback_url, trace=execution))
+        subscribers.append(_dispatcher(request).subscriber(
+            rid, body.callback_url, trace=execution, traceparent=request.scope.get("state", {}).get("sits_traceparent")))
     tr = _store(request).create(rid, body.unit, subscribers)
     tr.trace = execution
     tr.task = asyncio.get_running_loop().create_task(_execute(ctx, tr, body, t0), name=f"sits-request-{rid}")
@@ -136,14 +138,18 @@ def _validate(ctx: ServerContext, body: SitsRequest):
         raise InvalidRequestError(e.message, param="unit", code="unit_not_found") from None
     if body.allowed_tools:
         raise InvalidRequestError(f"unit {backend.name!r} declares no tools; requested: "
-                                  f"{', '.join(body.allowed_tools)}", param="allowed_tools",
+                                  f"{clip(', '.join(body.allowed_tools), 200)}", param="allowed_tools",
                                   code="tool_not_allowed")
     if body.memory_ref is not None:
-        raise InvalidRequestError(f"no memory set {body.memory_ref!r} exists", param="memory_ref",
+        raise InvalidRequestError(f"no memory set {clip(body.memory_ref)} exists", param="memory_ref",
                                   code="memory_not_found")
     if body.messages is not None:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt: str | list[int] = backend.tokenizer.encode(backend.tokenizer.apply_chat_template(messages))
+        if len(messages) > backend.max_model_len:
+            raise InvalidRequestError(f"{len(messages)} messages cannot fit in this unit's {backend.max_model_len} "
+                                      "tokens", param="messages", code="context_length_exceeded")
+        prompt: str | list[int] = backend.tokenizer.encode(backend.tokenizer.apply_chat_template(messages),
+                                                           max_tokens=backend.max_model_len)
     else:
         prompt = body.prompt or ""
     return backend, prompt, _sampling(body, body.constraints.max_tokens)

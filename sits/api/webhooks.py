@@ -120,25 +120,29 @@ class WebhookDispatcher:
         self._queues: dict[str, asyncio.Queue] = {}
         self._workers: set[asyncio.Task] = set()
 
-    def subscriber(self, request_id: str, url: str, trace: "tracing.Scope | None" = None):
-        """The lifecycle subscriber that queues this request's events for ``url``; deliveries carry
-        ``traceparent`` (the request's execution span) and are spans of their own under it."""
+    def subscriber(self, request_id: str, url: str, trace: "tracing.Scope | None" = None,
+                   traceparent: str | None = None):
+        """The lifecycle subscriber that queues this request's events for ``url``. Deliveries carry
+        ``traceparent``: the request's execution span when traced (and are spans under it), else the
+        trace the client sent."""
         def on_event(ev: LifecycleEvent) -> None:
             q = self._queues.get(request_id)
             if q is None:
                 q = self._queues[request_id] = asyncio.Queue()
-                task = asyncio.get_running_loop().create_task(self._worker(request_id, url, q, trace))
+                task = asyncio.get_running_loop().create_task(self._worker(request_id, url, q, trace, traceparent))
                 self._workers.add(task)
                 task.add_done_callback(self._workers.discard)
             q.put_nowait(ev)
         return on_event
 
-    async def _worker(self, request_id: str, url: str, q: asyncio.Queue, trace=None) -> None:
+    async def _worker(self, request_id: str, url: str, q: asyncio.Queue, trace=None,
+                      traceparent: str | None = None) -> None:
+        tp = trace.traceparent if trace is not None else traceparent
         try:
             while True:
                 ev: LifecycleEvent = await q.get()
                 t0 = time.monotonic()
-                ok = await self._deliver(url, ev, trace.traceparent if trace is not None else None)
+                ok = await self._deliver(url, ev, tp)
                 if trace is not None:
                     tracing.stage("webhook.deliver", t0, time.monotonic(), parent=trace, level="L4",
                                   async_mechanism="callback", error=None if ok else "webhook_failed",

@@ -30,7 +30,7 @@ class RequestValidator:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty", param="prompt", code="empty_prompt")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, max_tokens=self.max_model_len)
         else:
             ids = list(prompt)
             vocab = self.vocab_size

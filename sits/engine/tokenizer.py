@@ -7,6 +7,7 @@ with the same globals and filters Hugging Face provides, which is what the templ
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from datetime import datetime
@@ -19,7 +20,7 @@ import jinja2.nodes
 import jinja2.sandbox
 import tokenizers
 
-from sits.engine.errors import InvalidRequestError, ModelLoadError
+from sits.engine.errors import ContextLengthExceededError, InvalidRequestError, ModelLoadError
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -151,6 +152,9 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
     return normalized
 
 
+_LENGTH_SLACK = 4     # normalizers may drop characters: refuse only text far beyond the bound
+
+
 class Tokenizer:
     """Encode, decode and chat-format for one model.
 
@@ -217,13 +221,31 @@ class Tokenizer:
                    bos_token=bos_token, eos_token=eos_token, pad_token=pad_token,
                    chat_template=_load_chat_template(root, config), source=str(root))
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, max_tokens: int | None = None) -> list[int]:
         """Token ids of ``text``; special-token strings in it (e.g. ``<|im_start|>``) map to their ids.
 
         ``add_special_tokens`` runs the tokenizer's post-processor (e.g. Llama's BOS). Leave it off
-        for rendered chat templates, which already spell out their special tokens.
+        for rendered chat templates, which already spell out their special tokens. ``max_tokens``:
+        text that cannot possibly fit in that many tokens is refused before it is tokenized (a 10 MB
+        prompt would otherwise hold the caller for seconds just to be told it is too long).
         """
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if max_tokens is not None and len(text) > _LENGTH_SLACK * max_tokens * self.max_token_chars:
+            raise ContextLengthExceededError(
+                f"the text has {len(text)} characters; at most {self.max_token_chars} characters per token, "
+                f"it cannot fit in this model's {max_tokens} tokens", param="prompt")
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            if any("\ud800" <= ch <= "\udfff" for ch in text):
+                raise InvalidRequestError("the text contains a lone UTF-16 surrogate (U+D800..U+DFFF), which is not "
+                                          "valid Unicode; send well-formed UTF-8", param="prompt",
+                                          code="invalid_text") from None
+            raise
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's text, in characters (bounds how much text a token count can hold)."""
+        return max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1) or 1
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -44,7 +44,8 @@ _propagator = TraceContextTextMapPropagator()
 
 
 def wall_ns(monotonic_s: float) -> int:
-    """A ``time.monotonic()`` reading (from any process on this host) as epoch nanoseconds."""
+    """A ``time.monotonic()`` reading (from any process on this host) as epoch nanoseconds, with the
+    offset taken once at import: every span of SITS lies on one timeline even if the wall clock steps."""
     return int(monotonic_s * 1e9) + _EPOCH_OFFSET_NS
 
 

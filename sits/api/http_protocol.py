@@ -1,0 +1,112 @@
+"""uvicorn's httptools protocol with the two limits it lacks: a deadline for the request head and
+a cap on its size.
+
+Stock uvicorn arms a timer only after a response (keep-alive), so a client that opens a
+connection and trickles its headers one byte at a time (slowloris), or never sends any, holds it
+forever; and httptools accepts a request head of any size, which would let headers bypass the
+body limit. Here every connection must deliver a complete head within ``header_timeout_s``
+(else 408 and close) of no more than ``max_header_bytes`` (else 431 and close).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from sits.api.errors import error_body
+
+
+class _HeadRejected(Exception):
+    pass
+
+
+def _response(status: int, reason: str, message: str, code: str) -> bytes:
+    body = json.dumps(error_body(message, status, code)).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"connection: close\r\n\r\n").encode() + body
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    header_timeout_s: float = 10.0
+    max_header_bytes: int = 64 * 1024
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0
+        self._rejected = False
+        self._arm()
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timeout)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _reject(self, data: bytes) -> None:
+        self._rejected = True
+        self._disarm()
+        if not self.transport.is_closing():
+            self.transport.write(data)
+            self.transport.close()
+
+    def _head_timeout(self) -> None:
+        self._head_timer = None
+        if self.cycle is None or self.cycle.response_complete:      # no request in flight on it
+            self._reject(_response(408, "Request Timeout",
+                                   f"the request head did not arrive within {self.header_timeout_s:g} s",
+                                   "request_timeout"))
+
+    def _count(self, n: int) -> None:
+        self._head_bytes += n
+        if self._head_bytes > self.max_header_bytes:
+            self._reject(_response(431, "Request Header Fields Too Large",
+                                   f"the request head exceeds {self.max_header_bytes} bytes", "headers_too_large"))
+            raise _HeadRejected()
+
+    # -- parser callbacks -----------------------------------------------------------------------------
+    def data_received(self, data: bytes) -> None:
+        if self._rejected:
+            return
+        super().data_received(data)
+
+    def send_400_response(self, msg: str) -> None:
+        if not self._rejected:            # a rejected head raised out of the parser: already answered
+            super().send_400_response(msg)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_bytes = 0
+        if self._head_timer is None:
+            self._arm()
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._disarm()            # idle between requests is uvicorn's keep-alive timeout
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+def guarded_protocol(header_timeout_s: float, max_header_bytes: int) -> type[GuardedHttpProtocol]:
+    """A protocol class with these limits (uvicorn takes a class, one per server)."""
+    return type("SitsHttpProtocol", (GuardedHttpProtocol,), {"header_timeout_s": header_timeout_s,
+                                                             "max_header_bytes": max_header_bytes})
