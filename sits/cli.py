@@ -38,6 +38,9 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
                         "SITS_ADMIN_KEY); without one they are off")
     p.add_argument("--allow-private-callbacks", action="store_true",
                    help="let callback_url point at loopback / private addresses (refused by default)")
+    p.add_argument("--session-store", default=None,
+                   help="where X-Session-ID conversations live: redis://host:port/db, sqlite:///path, or none "
+                        "(default: SQLite in --data-dir)")
     p.add_argument("--trace-exporter", default=None, choices=["none", "console", "otlp", "memory"],
                    help="OpenTelemetry spans (default: otlp when OTEL_EXPORTER_OTLP_ENDPOINT is set, else none; "
                         "memory keeps recent traces for GET /admin/traces)")
@@ -128,7 +131,8 @@ def _server_settings(args: argparse.Namespace):
                           admin_keys=tuple(args.admin_key or ([os.environ["SITS_ADMIN_KEY"]]
                                                               if os.environ.get("SITS_ADMIN_KEY") else [])),
                           allow_private_callbacks=args.allow_private_callbacks,
-                          trace_exporter=args.trace_exporter, otel_metrics=args.otel_metrics)
+                          trace_exporter=args.trace_exporter, otel_metrics=args.otel_metrics,
+                          session_store=args.session_store, data_dir=args.data_dir)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -297,12 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
     srv.add_argument("--engine", default="process", choices=["process", "thread"],
                      help="run the engine in its own process (default) or in a thread of the server")
+    srv.add_argument("--data-dir", default=os.environ.get("SITS_DATA_DIR", ".sits"),
+                     help="embedded state: sessions.db (default .sits; env SITS_DATA_DIR)")
     srv.set_defaults(func=cmd_serve)
 
     upp = sub.add_parser("up", help="start the gateway with its units (the serverless runtime)")
     upp.add_argument("--config", default=None, help="YAML with `units: [...]` (default: ./sits.yaml if present)")
     upp.add_argument("--data-dir", default=os.environ.get("SITS_DATA_DIR", ".sits"),
-                     help="where the deployed units are persisted (default .sits; env SITS_DATA_DIR)")
+                     help="where the deployed units and sessions are kept (default .sits; env SITS_DATA_DIR)")
     upp.add_argument("--no-prefetch", action="store_true", help="turn trace-driven pre-warming off")
     _add_http_args(upp)
     upp.set_defaults(func=cmd_up)

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from sits import __version__
-from sits.api import openai_routes, sits_routes
+from sits.api import openai_routes, session_routes, sits_routes
 from sits.api.backend import BackendRegistry
 from sits.api.context import ServerContext, ServerSettings
 from sits.api.edge import EdgeMiddleware
@@ -30,6 +30,7 @@ from sits.api.webhooks import WebhookDispatcher
 from sits.observe.otel_metrics import GenAiMetrics
 from sits.observe.tracing import Tracing
 from sits.engine.errors import SitsError
+from sits.memory.sessions import open_session_store
 
 log = logging.getLogger("sits.api")
 
@@ -48,7 +49,8 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
     tracing = Tracing(settings.trace_exporter, rates=settings.trace_level_rates)
     metrics = ServerMetrics(lambda: [(b.name, b.stats()) for b in registry.all()],
                             otel=GenAiMetrics(settings.otel_metrics))
-    ctx = ServerContext(registry=registry, metrics=metrics, settings=settings, tracing=tracing)
+    ctx = ServerContext(registry=registry, metrics=metrics, settings=settings, tracing=tracing,
+                        sessions=open_session_store(settings.session_store, settings.data_dir))
     ctx.store = RequestStore(retention_s=settings.request_retention_s, max_finished=settings.max_retained_requests,
                              max_pending=settings.max_pending_requests)
 
@@ -72,6 +74,8 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
                 await hook(app)
             tracing.shutdown()
             metrics.otel.shutdown()
+            if ctx.sessions is not None:
+                await ctx.sessions.close()
 
     app = FastAPI(title="SITS", version=__version__, lifespan=lifespan,
                   description="A serverless runtime for LLM inference: the OpenAI dialect and the SITS "
@@ -80,6 +84,7 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(sits_routes.router)
+    app.include_router(session_routes.router)
 
     @app.get("/health", tags=["ops"])
     async def health() -> dict[str, Any]:

@@ -36,6 +36,8 @@ class ServerSettings:
     trace_exporter: str | None = None       # none | console | otlp | memory; None: from the OTEL_* env
     trace_level_rates: dict[str, float] | None = None   # tail-sampling share per level (default L1 1 .. L4 0.01)
     otel_metrics: str | None = None         # none | otlp | console | memory; None: from the OTEL_* env
+    data_dir: str | None = None             # where embedded state lives (sessions.db); None: no sessions by default
+    session_store: str | None = None        # redis://..., sqlite:///path, none; None: SQLite in data_dir
     drain_grace_s: float = 10.0             # on shutdown, in-flight streams get this long to finish
 
 
@@ -49,6 +51,7 @@ class ServerContext:
     draining: bool = False
     store: object | None = None             # sits.api.request_store.RequestStore, set by create_app
     tracing: object | None = None           # sits.observe.tracing.Tracing, set by create_app
+    sessions: object | None = None          # sits.memory.sessions.SessionStore, set by create_app
 
 
 def context_of(request: Request) -> ServerContext:

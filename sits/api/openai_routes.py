@@ -24,6 +24,7 @@ from sits.api.errors import ErrorResponse, error_response, sits_error_as_dict
 from sits.api.generation import ChoiceResult, Generation
 from sits.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                CompletionResponse, ModelCard, ModelList)
+from sits.api.session_routes import SessionTurn
 from sits.api.sse import SSE_DONE, ClientDisconnected, SSEResponse, sse_data, until_disconnect
 from sits.engine.errors import ContextLengthExceededError, InvalidRequestError, SitsError
 from sits.engine.llm_engine import TokenEvent
@@ -92,13 +93,15 @@ def completion_prompts(req: CompletionRequest, backend: Backend) -> list[str | l
     return [list(x) for x in p]
 
 
-def chat_prompt_ids(req: ChatCompletionRequest, backend: Backend) -> list[int]:
-    if len(req.messages) > backend.max_model_len:     # every message renders to a token at least
-        raise ContextLengthExceededError(f"{len(req.messages)} messages cannot fit in this model's "
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+
+
+def chat_prompt_ids(messages: list[dict], backend: Backend, add_generation_prompt: bool = True) -> list[int]:
+    if len(messages) > backend.max_model_len:     # every message renders to a token at least
+        raise ContextLengthExceededError(f"{len(messages)} messages cannot fit in this model's "
                                          f"{backend.max_model_len} tokens", param="messages")
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in req.messages]
-    text = backend.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+    text = backend.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     ids = backend.tokenizer.encode(text, max_tokens=backend.max_model_len)
     if not ids:
         raise InvalidRequestError("the rendered conversation is empty", param="messages", code="empty_prompt")
@@ -183,7 +186,11 @@ async def create_completion(body: CompletionRequest, request: Request):
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     ctx = context_of(request)
     backend = ctx.registry.get(body.model)
-    ids = chat_prompt_ids(body, backend)
+    messages = chat_messages(body)
+    turn = SessionTurn.of(ctx)
+    if turn is not None:            # X-Session-ID: the stored conversation goes in front
+        messages = await turn.conversation(messages)
+    ids = chat_prompt_ids(messages, backend, body.add_generation_prompt)
     max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens(backend, len(ids))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
@@ -192,7 +199,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     rid = new_request_id()
     gen = Generation(backend, ctx.metrics, ctx.inflight, rid, [(ids, sampling_params(body, max_tokens, logprobs))],
                      n=body.n, priority=body.priority, interactive=True, accepted_at=accepted_at(request))
-    return await _respond(request, gen, _ChatChunks(f"chatcmpl-{rid}", backend, gen, body))
+    return await _respond(request, gen, _ChatChunks(f"chatcmpl-{rid}", backend, gen, body), turn)
 
 
 # -- running ----------------------------------------------------------------------------------------
@@ -212,18 +219,27 @@ def _trace_response(gen: Generation, chunks: "_Chunks") -> None:
                       genai.RESPONSE_FINISH_REASONS: [c.finish_reason or "abort" for c in gen.choices]})
 
 
-async def _respond(request: Request, gen: Generation, chunks: "_Chunks"):
+async def _remember(turn: SessionTurn | None, gen: Generation) -> None:
+    """A finished answer joins the session (choice 0: the conversation goes on from one answer)."""
+    ch = gen.choices[0]
+    if turn is not None and ch.finish_reason is not None:
+        instance = getattr(gen.backend, "session_instance", lambda sid: None)(turn.session_id)
+        await turn.remember("".join(ch.text), unit=gen.backend.name, instance=instance)
+
+
+async def _respond(request: Request, gen: Generation, chunks: "_Chunks", turn: SessionTurn | None = None):
     """Stream the generation as SSE, or run it to the end and answer one JSON body."""
     warning = chunks.body.warning_header()
     _trace_request(gen, chunks)
     if chunks.body.stream:
-        return await _stream(request, gen, chunks, warning)
+        return await _stream(request, gen, chunks, warning, turn)
     await _run(request, gen)
     _trace_response(gen, chunks)
+    await _remember(turn, gen)
     out = {"id": chunks.cid, "object": chunks.response_object, "created": int(time.time()),
            "model": chunks.backend.name, "choices": [chunks.final_choice(ch) for ch in gen.choices],
            "usage": gen.usage()}
-    return JSONResponse(out, headers=response_headers(gen, warning))
+    return JSONResponse(out, headers=response_headers(gen, warning) | (turn.headers() if turn else {}))
 
 
 async def _run(request: Request, gen: Generation) -> None:
@@ -335,7 +351,8 @@ class _Meta:
         return chunk
 
 
-async def _stream(request: Request, gen: Generation, chunks: _Chunks, ignored: str | None) -> SSEResponse:
+async def _stream(request: Request, gen: Generation, chunks: _Chunks, ignored: str | None,
+                  turn: SessionTurn | None = None) -> SSEResponse:
     events = gen.events()
     try:
         first = await until_disconnect(request, events.__anext__())
@@ -348,12 +365,13 @@ async def _stream(request: Request, gen: Generation, chunks: _Chunks, ignored: s
         await events.aclose()
         raise
     meta = _Meta(gen) if wants_stream_meta(request) else None
-    headers = response_headers(gen, ignored)
-    return SSEResponse(_sse_body(gen, events, first, chunks, meta), headers=headers)
+    headers = response_headers(gen, ignored) | (turn.headers() if turn else {})
+    return SSEResponse(_sse_body(gen, events, first, chunks, meta, turn), headers=headers)
 
 
 async def _sse_body(gen: Generation, events: AsyncIterator[tuple[int, TokenEvent]],
-                    first: tuple[int, TokenEvent] | None, chunks: _Chunks, meta: _Meta | None) -> AsyncIterator[bytes]:
+                    first: tuple[int, TokenEvent] | None, chunks: _Chunks, meta: _Meta | None,
+                    turn: SessionTurn | None = None) -> AsyncIterator[bytes]:
     prev_time: dict[int, float] = {}
     started = time.monotonic()
     error: str | None = None
@@ -396,6 +414,7 @@ async def _sse_body(gen: Generation, events: AsyncIterator[tuple[int, TokenEvent
             if meta is not None:
                 meta.tag(u, "decode", 0.0)
             yield sse_data(u)
+        await _remember(turn, gen)
     except SitsError as e:  # e.g. the server is draining: tell the client why the stream ends
         error = e.code
         yield sse_data({"error": sits_error_as_dict(e)})

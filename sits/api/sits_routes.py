@@ -22,6 +22,7 @@ from sits.api.generation import Generation
 from sits.api.lifecycle import RequestState
 from sits.api.protocol import SitsRequest, SitsRequestView
 from sits.api.request_store import RequestStore, TrackedRequest
+from sits.api.session_routes import SessionTurn
 from sits.api.sse import SSE_KEEPALIVE, SSEResponse, sse_event
 from sits.api.webhooks import WebhookDispatcher, validate_callback_url
 from sits.engine.errors import InvalidRequestError, SitsError
@@ -130,8 +131,9 @@ def _sampling(body: SitsRequest, max_tokens: int) -> SamplingParams:
                           top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=stop)
 
 
-def _validate(ctx: ServerContext, body: SitsRequest):
-    """VALIDATING: unit, tools, memory, context. Raises SitsError (-> REJECTED with its code)."""
+async def _validate(ctx: ServerContext, body: SitsRequest, turn: SessionTurn | None):
+    """VALIDATING: unit, tools, memory, context. Raises SitsError (-> REJECTED with its code).
+    With a session, the stored conversation goes in front (a bare prompt is then a user turn)."""
     try:
         backend = ctx.registry.get(body.unit)
     except ModelNotFoundError as e:
@@ -143,8 +145,11 @@ def _validate(ctx: ServerContext, body: SitsRequest):
     if body.memory_ref is not None:
         raise InvalidRequestError(f"no memory set {clip(body.memory_ref)} exists", param="memory_ref",
                                   code="memory_not_found")
-    if body.messages is not None:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    if body.messages is not None or turn is not None:
+        messages = ([{"role": m.role, "content": m.text()} for m in body.messages] if body.messages is not None
+                    else [{"role": "user", "content": body.prompt or ""}])
+        if turn is not None:
+            messages = await turn.conversation(messages)
         if len(messages) > backend.max_model_len:
             raise InvalidRequestError(f"{len(messages)} messages cannot fit in this unit's {backend.max_model_len} "
                                       "tokens", param="messages", code="context_length_exceeded")
@@ -182,7 +187,8 @@ async def _run_request(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest
     try:
         async with asyncio.timeout(None if deadline is None else deadline - time.monotonic()):
             lc.advance(RequestState.VALIDATING)
-            backend, prompt, params = _validate(ctx, body)
+            turn = SessionTurn.of(ctx)
+            backend, prompt, params = await _validate(ctx, body, turn)
             gen = Generation(backend, ctx.metrics, ctx.inflight, tr.id, [(prompt, params)],
                              priority=body.constraints.priority, interactive=body.interactive, accepted_at=t0)
             lc.advance(RequestState.EXECUTING)
@@ -193,6 +199,10 @@ async def _run_request(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest
             tr.finish_reason = ch.finish_reason
             tr.usage = gen.usage()
             tr.timings = gen.timings_ms()
+            if turn is not None:
+                instance = getattr(backend, "session_instance", lambda sid: None)(turn.session_id)
+                await turn.remember("".join(tr.output), unit=backend.name, instance=instance,
+                                    memory_refs=[body.memory_ref] if body.memory_ref else None)
             lc.advance(RequestState.RESOLVED, {"output": "".join(tr.output), "finish_reason": ch.finish_reason,
                                                "usage": tr.usage, "timings": tr.timings})
     except TimeoutError:

@@ -322,6 +322,10 @@ class UnitBackend:
         if backend is not None:
             backend.abort(request_id, err)
 
+    def session_instance(self, session_id: str) -> str | None:
+        """Where the session's last request ran (recorded in the session for affinity)."""
+        return self.router.instance_of(session_id)
+
     def stats(self) -> EngineStats:
         return self._aggregate([i.backend.stats() for i in self.pool.ready()])
 

@@ -39,6 +39,10 @@ class Router:
         self.max_entries = max_entries_per_instance
         self.max_sessions = max_sessions
 
+    def instance_of(self, session_id: str) -> str | None:
+        """The instance this session last ran on (affinity), if remembered."""
+        return self._sessions.get(session_id)
+
     def choose(self, instances: list, hashes: list[int], budget_tokens: int, session_id: str | None = None):
         """``instances``: READY instances with ``id``, ``inflight`` and ``backend.stats()``; ``hashes``:
         ``prefix_hashes`` of the prompt (computed once per request, shared with ``record``)."""
