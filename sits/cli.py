@@ -38,6 +38,8 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
                         "SITS_ADMIN_KEY); without one they are off")
     p.add_argument("--allow-private-callbacks", action="store_true",
                    help="let callback_url point at loopback / private addresses (refused by default)")
+    p.add_argument("--tools-dir", action="append", default=[],
+                   help="a directory of tool contracts (*.yaml) beside the built-ins (repeatable)")
     p.add_argument("--session-store", default=None,
                    help="where X-Session-ID conversations live: redis://host:port/db, sqlite:///path, or none "
                         "(default: SQLite in --data-dir)")
@@ -132,7 +134,8 @@ def _server_settings(args: argparse.Namespace):
                                                               if os.environ.get("SITS_ADMIN_KEY") else [])),
                           allow_private_callbacks=args.allow_private_callbacks,
                           trace_exporter=args.trace_exporter, otel_metrics=args.otel_metrics,
-                          session_store=args.session_store, data_dir=args.data_dir)
+                          session_store=args.session_store, data_dir=args.data_dir,
+                          tool_dirs=tuple(args.tools_dir))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -189,6 +192,33 @@ def cmd_iu(args: argparse.Namespace) -> int:
 
 def _fmt(v, spec: str = ".0f", unit: str = "") -> str:
     return "-" if v is None else f"{v:{spec}}{unit}"
+
+
+def cmd_tool_list(args: argparse.Namespace) -> int:
+    from sits.tools import ToolRegistry
+    for c in ToolRegistry(args.tools_dir or []).all():
+        print(f"{c.ref:<24} {c.runtime:<6} {c.timeout_ms:>6} ms  {', '.join(c.side_effects):<32} {c.description}")
+    return 0
+
+
+def cmd_tool_run(args: argparse.Namespace) -> int:
+    """Run one tool call in the sandbox, as a unit would (e.g. to try a new contract)."""
+    from sits.tools import ToolError, ToolRegistry, run_tool
+    try:
+        call_args = json.loads(args.arguments)
+    except json.JSONDecodeError as e:
+        print(f"arguments are not JSON: {e}", file=sys.stderr)
+        return 2
+    dirs = dict(d.split("=", 1) for d in args.dir or [])
+    try:
+        contract = ToolRegistry(args.tools_dir or []).resolve(args.ref)
+        r = run_tool(contract, call_args, dirs=dirs, python_allowed=args.allow_python)
+    except ToolError as e:
+        print(f"{e.code}: {e.message}", file=sys.stderr)
+        return 1
+    sys.stdout.write(r.output)
+    print(f"[{r.ref}: {r.elapsed_ms:.1f} ms, fuel {r.fuel_used}]", file=sys.stderr)
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -326,6 +356,19 @@ def build_parser() -> argparse.ArgumentParser:
     for p in iu.choices.values():
         _add_client_args(p)
         p.set_defaults(func=cmd_iu)
+    tool = sub.add_parser("tool", help="tool contracts and the WASM sandbox").add_subparsers(dest="tool_cmd",
+                                                                                          required=True)
+    tl = tool.add_parser("list", help="the known contracts (built-ins and --tools-dir)")
+    tl.add_argument("--tools-dir", action="append", help="a directory of *.yaml contracts (repeatable)")
+    tl.set_defaults(func=cmd_tool_list)
+    tr = tool.add_parser("run", help="run one call: sits tool run 'math.eval@^1' '{\"expression\": \"6*7\"}'")
+    tr.add_argument("ref", help="id@constraint, e.g. file.read@^1.2")
+    tr.add_argument("arguments", help="the call's arguments as JSON")
+    tr.add_argument("--dir", action="append", help="GUEST=HOST: the host directory behind a declared one")
+    tr.add_argument("--tools-dir", action="append", help="a directory of *.yaml contracts (repeatable)")
+    tr.add_argument("--allow-python", action="store_true", help="allow runtime: python tools")
+    tr.set_defaults(func=cmd_tool_run)
+
     stp = sub.add_parser("status", help="units, instances, SLO health, cold starts and scaling decisions")
     stp.add_argument("--json", action="store_true")
     _add_client_args(stp)

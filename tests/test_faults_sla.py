@@ -155,7 +155,7 @@ def guarded(tiny_model_dir, tmp_path_factory):
                   sla={"min_requests": 2, "open_s": 30, "half_open_probes": 1},
                   resources={"device": "cpu", "kv_cache_mb": 16, "max_model_len": 256, "warmup": False,
                              "cpu_quota": 0.5}),
-             unit("backup", tiny_model_dir)]
+             unit("backup", tiny_model_dir, tools=["math.eval@^1"])]
     gw = Gateway(tmp_path_factory.mktemp("gw-sla"), tick_s=0.2)
     app = build_gateway_app(gw, units, ServerSettings(drain_grace_s=0.5, admin_keys=(ADMIN,)))
     srv = start_server(app, server_cls=DrainingServer, app=app, grace_s=0.5)
@@ -256,3 +256,27 @@ def test_step_degradation_and_link_jitter_slow_an_instance_down(guarded):
     t0 = time.monotonic()
     complete(srv, "backup", max_tokens=6, ignore_eos=True)
     assert time.monotonic() - t0 < slow / 2               # cleared: steps are fast again
+
+
+def test_requests_may_only_ask_for_the_units_tools(guarded):
+    srv, _ = guarded
+
+    def follow(body):
+        v = httpx.post(srv.url + "/v1/requests", json=body).json()
+        deadline = time.monotonic() + 30
+        while v["state"] not in ("RESOLVED", "REJECTED") and time.monotonic() < deadline:
+            time.sleep(0.05)
+            v = httpx.get(srv.url + f"/v1/requests/{v['id']}").json()
+        return v
+
+    ok = follow({"unit": "backup", "prompt": "x", "allowed_tools": ["math.eval@^1.0"], "constraints": {"max_tokens": 2}})
+    assert ok["state"] == "RESOLVED"
+    no = follow({"unit": "backup", "prompt": "x", "allowed_tools": ["file.read@^1.2"], "constraints": {"max_tokens": 2}})
+    assert no["state"] == "REJECTED" and no["error"]["code"] == "tool_not_allowed"
+    assert "math.eval@^1" in no["error"]["message"]
+    bad = follow({"unit": "backup", "prompt": "x", "allowed_tools": ["math.eval@^x"], "constraints": {"max_tokens": 2}})
+    assert bad["state"] == "REJECTED" and bad["error"]["code"] == "invalid_tool_ref"
+    tools = {t["ref"]: t for t in httpx.get(srv.url + "/v1/tools").json()["data"]}
+    assert tools["math.eval@1.0.0"]["units"] == ["backup"] and tools["file.read@1.2.0"]["units"] == []
+    assert tools["file.read@1.2.0"]["side_effects"] == ["read:fs:/data/*", "net:none"]
+    assert tools["math.eval@1.0.0"]["openai"]["function"]["name"] == "math_eval"

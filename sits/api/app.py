@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from sits import __version__
-from sits.api import openai_routes, session_routes, sits_routes
+from sits.api import openai_routes, session_routes, sits_routes, tool_routes
 from sits.api.backend import BackendRegistry
 from sits.api.context import ServerContext, ServerSettings
 from sits.api.edge import EdgeMiddleware
@@ -31,6 +31,7 @@ from sits.observe.otel_metrics import GenAiMetrics
 from sits.observe.tracing import Tracing
 from sits.engine.errors import SitsError
 from sits.memory.sessions import open_session_store
+from sits.tools import ToolRegistry
 
 log = logging.getLogger("sits.api")
 
@@ -50,7 +51,8 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
     metrics = ServerMetrics(lambda: [(b.name, b.stats()) for b in registry.all()],
                             otel=GenAiMetrics(settings.otel_metrics))
     ctx = ServerContext(registry=registry, metrics=metrics, settings=settings, tracing=tracing,
-                        sessions=open_session_store(settings.session_store, settings.data_dir))
+                        sessions=open_session_store(settings.session_store, settings.data_dir),
+                        tools=ToolRegistry(list(settings.tool_dirs)))
     ctx.store = RequestStore(retention_s=settings.request_retention_s, max_finished=settings.max_retained_requests,
                              max_pending=settings.max_pending_requests)
 
@@ -85,6 +87,7 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
     app.include_router(openai_routes.router)
     app.include_router(sits_routes.router)
     app.include_router(session_routes.router)
+    app.include_router(tool_routes.router)
 
     @app.get("/health", tags=["ops"])
     async def health() -> dict[str, Any]:

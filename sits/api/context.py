@@ -38,6 +38,7 @@ class ServerSettings:
     otel_metrics: str | None = None         # none | otlp | console | memory; None: from the OTEL_* env
     data_dir: str | None = None             # where embedded state lives (sessions.db); None: no sessions by default
     session_store: str | None = None        # redis://..., sqlite:///path, none; None: SQLite in data_dir
+    tool_dirs: tuple[str, ...] = ()         # directories of extra tool contracts (*.yaml) beside the built-ins
     drain_grace_s: float = 10.0             # on shutdown, in-flight streams get this long to finish
 
 
@@ -52,6 +53,7 @@ class ServerContext:
     store: object | None = None             # sits.api.request_store.RequestStore, set by create_app
     tracing: object | None = None           # sits.observe.tracing.Tracing, set by create_app
     sessions: object | None = None          # sits.memory.sessions.SessionStore, set by create_app
+    tools: object | None = None             # sits.tools.ToolRegistry, set by create_app
 
 
 def context_of(request: Request) -> ServerContext:

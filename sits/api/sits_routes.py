@@ -27,6 +27,7 @@ from sits.api.sse import SSE_KEEPALIVE, SSEResponse, sse_event
 from sits.api.webhooks import WebhookDispatcher, validate_callback_url
 from sits.engine.errors import InvalidRequestError, SitsError
 from sits.engine.sampling_params import SamplingParams
+from sits.tools import ToolError
 from sits.observe import genai, tracing
 
 log = logging.getLogger("sits.api")
@@ -139,9 +140,16 @@ async def _validate(ctx: ServerContext, body: SitsRequest, turn: SessionTurn | N
     except ModelNotFoundError as e:
         raise InvalidRequestError(e.message, param="unit", code="unit_not_found") from None
     if body.allowed_tools:
-        raise InvalidRequestError(f"unit {backend.name!r} declares no tools; requested: "
-                                  f"{clip(', '.join(body.allowed_tools), 200)}", param="allowed_tools",
-                                  code="tool_not_allowed")
+        unit_tools = getattr(backend, "tools", [])
+        if not unit_tools:
+            raise InvalidRequestError(f"unit {backend.name!r} declares no tools; requested: "
+                                      f"{clip(', '.join(body.allowed_tools), 200)}", param="allowed_tools",
+                                      code="tool_not_allowed")
+        try:
+            ctx.tools.allowed(body.allowed_tools, unit_tools)
+        except ToolError as e:
+            raise InvalidRequestError(f"unit {backend.name!r}: {e.message}", param="allowed_tools",
+                                      code=e.code) from None
     if body.memory_ref is not None:
         raise InvalidRequestError(f"no memory set {clip(body.memory_ref)} exists", param="memory_ref",
                                   code="memory_not_found")

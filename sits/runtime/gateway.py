@@ -66,6 +66,9 @@ class UnitBackend:
                                           block_size=16, num_kv_blocks=1 << 30)
         self.kv_capacity_tokens = self.max_model_len
         self.ttft_slo_ms = spec.slo.ttft_ms        # responses slower than this are SLO violations (traces keep them)
+        self.tools = list(spec.tools)              # tool contracts requests may ask for (semver constraints)
+        self.tool_dirs = dict(spec.tool_dirs)
+        self.python_tools = spec.python_tools
         self.gateway = gateway
         self.pool = UnitPool(spec, on_event=lambda kind, data: gateway.record(spec.name, kind, data),
                              launcher=gateway.launcher)

@@ -105,6 +105,21 @@ class UnitSpec(_Strict):
     sla: SlaSpec = Field(default_factory=SlaSpec)
     fallback: str | None = Field(None, pattern=UNIT_NAME, description="the unit that serves while the breaker is open")
     faults: FaultsSpec | None = Field(None, description="fault injection (testing): see sits.faults")
+    tools: list[str] = Field(default_factory=list, description='tool contracts it may call, e.g. "file.read@^1.2"')
+    tool_dirs: dict[str, str] = Field(default_factory=dict,
+                                      description="host directory behind each guest directory a tool declares")
+    python_tools: bool = Field(False, description="allow tools with runtime: python (a subprocess, not a sandbox)")
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_refs(cls, v: list[str]) -> list[str]:
+        from sits.tools.semver import Constraint, SemverError, split_ref
+        for ref in v:
+            try:
+                Constraint.parse(split_ref(ref)[1])
+            except SemverError as e:
+                raise ValueError(str(e)) from None
+        return v
 
     @model_validator(mode="after")
     def _no_self_fallback(self) -> "UnitSpec":
@@ -266,6 +281,8 @@ def load_yaml_spec(text: str, file: str, root: type[BaseModel]) -> tuple[BaseMod
 
 def _resolve_models(units: list[UnitSpec], base: Path) -> None:
     for u in units:
+        u.tool_dirs = {g: str((base / h).resolve()) if not os.path.isabs(os.path.expanduser(h)) else
+                       os.path.expanduser(h) for g, h in u.tool_dirs.items()}
         if not os.path.isabs(os.path.expanduser(u.model)):
             u.model = str((base / u.model).resolve())
         else:
