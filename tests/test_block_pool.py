@@ -98,11 +98,16 @@ def test_background_touched_kv_pool_reads_as_zeros():
                       max_position_embeddings=64)
     junk = [torch.full((1 << 20,), float("nan")) for _ in range(8)]     # freed memory full of NaN
     del junk
-    kv = KVCache(cfg, num_blocks=256, block_size=16, device=torch.device("cpu"), dtype=torch.float32,
-                 touch="background")
+    kv = KVCache(cfg, num_blocks=16384, block_size=16, device=torch.device("cpu"), dtype=torch.float32,
+                 touch="background")       # 64 MiB: a fresh mapping, not recycled heap
     assert not kv.fully_touched
     assert all(bool((layer == 0).all()) for layer in kv.layers)
+    def rss_mb():
+        return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+
     kv.layers[0][0, 3].fill_(1.5)
+    before = rss_mb()
     while kv.touch_some():
         pass
     assert bool((kv.layers[0][0, 3] == 1.5).all()) and kv.fully_touched     # touching keeps contents
+    assert rss_mb() - before > 0.8 * kv.nbytes / 2**20                      # and really faults the pages in

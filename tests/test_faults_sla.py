@@ -44,12 +44,12 @@ def test_breaker_opens_below_the_success_rate_and_recovers_through_half_open():
     assert 1 <= b.retry_after_s() <= 5
     clock.t += 5
     assert b.admits() and b.state is BreakerState.HALF_OPEN
-    assert b.probe_started()
-    assert b.admits()                          # a second probe slot
-    assert b.probe_started()
+    p1 = b.probe_started()
+    assert p1 and b.admits()                   # a second probe slot
+    p2 = b.probe_started()
     assert not b.admits()                      # both probes out
-    b.record(b.classify(20, None), probe=True)
-    b.record(b.classify(20, None), probe=True)
+    b.record(b.classify(20, None), probe=p1)
+    b.record(b.classify(20, None), probe=p2)
     assert b.state is BreakerState.CLOSED and b.attainment() is None     # a fresh window
     assert moves == [("CLOSED", "OPEN"), ("OPEN", "HALF_OPEN"), ("HALF_OPEN", "CLOSED")]
 
@@ -60,12 +60,25 @@ def test_a_failed_probe_reopens_and_a_cancelled_probe_frees_its_slot():
         b.record(b.classify(None, "engine_dead"))
     assert b.state is BreakerState.OPEN
     clock.t += 5
-    assert b.admits() and b.probe_started() and not b.admits()
-    b.probe_cancelled()                        # the client went away: no outcome
-    assert b.admits() and b.probe_started()
-    b.record(b.classify(None, "engine_dead"), probe=True)
+    assert b.admits()
+    p1 = b.probe_started()
+    assert not b.admits()
+    b.probe_cancelled(p1)                      # the client went away: no outcome
+    assert b.admits()
+    p2 = b.probe_started()
+    b.record(b.classify(None, "engine_dead"), probe=p2)
     assert b.state is BreakerState.OPEN and b.trips == 2
     assert b.view()["failures"] == {"engine_dead": 5}
+    # a slow probe of that episode finishing in the next one counts as a plain outcome, not a probe
+    clock.t += 5
+    assert b.admits() and b.state is BreakerState.HALF_OPEN
+    b.record(b.classify(20, None), probe=p1)
+    b.probe_cancelled(p1)
+    assert b.state is BreakerState.HALF_OPEN and b.admits()
+    p3 = b.probe_started()
+    assert not b.admits()
+    b.record(b.classify(20, None), probe=p3)
+    assert b.state is BreakerState.CLOSED
 
 
 def test_the_window_slides_and_min_requests_holds():

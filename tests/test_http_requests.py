@@ -249,3 +249,21 @@ def test_finished_requests_are_dropped_after_retention(serve_tiny):
     time.sleep(0.5)
     r = httpx.get(f"{srv.url}/v1/requests/{v['id']}")
     assert r.status_code == 404 and r.json()["error"]["code"] == "request_not_found"
+
+
+@pytest.mark.parametrize("address,private", [
+    ("127.0.0.1", True), ("10.1.2.3", True), ("100.100.100.200", True), ("169.254.169.254", True),
+    ("0.0.0.0", True), ("::1", True), ("::ffff:10.0.0.1", True), ("2002:a9fe:a9fe::1", True), ("fec0::1", True),
+    ("fd00:ec2::254", True), ("224.0.0.1", True), ("8.8.8.8", False), ("2606:4700::1111", False)])
+def test_callback_addresses_that_are_not_public(address, private):
+    import ipaddress
+
+    from sits.api.webhooks import is_private_address
+    assert is_private_address(ipaddress.ip_address(address)) is private
+
+
+def test_deliveries_connect_to_the_checked_address():
+    from sits.api.webhooks import _pinned
+    assert _pinned("https://hooks.example.com:8443/x?y=1", "93.184.216.34") == (
+        "https://93.184.216.34:8443/x?y=1", {"host": "hooks.example.com:8443"}, {"sni_hostname": "hooks.example.com"})
+    assert _pinned("http://h.example/x", "2606:4700::1111")[0] == "http://[2606:4700::1111]/x"

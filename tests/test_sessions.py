@@ -199,7 +199,7 @@ def test_sits_requests_join_the_session(session_server):
 def test_sessions_off_without_a_store(serve_tiny):
     srv = serve_tiny(ServerSettings(drain_grace_s=0.5), engine_mode="thread")
     r = httpx.get(srv.url + "/v1/sessions/x")
-    assert r.status_code == 503 and r.json()["error"]["code"] == "sessions_disabled"
+    assert r.status_code == 404 and r.json()["error"]["code"] == "sessions_disabled"
     r = httpx.post(srv.url + "/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
                                                            "messages": [{"role": "user", "content": "x"}]},
                    headers={"X-Session-ID": "abc"})

@@ -256,3 +256,28 @@ def test_otlp_export_is_switched_on_by_the_standard_endpoint_variable(serve_tiny
         assert "gen_ai.server.time_to_first_token" in metrics and "gen_ai.server.request.duration" in metrics
     finally:
         collector.stop()
+
+
+def test_a_client_marking_its_trace_unsampled_does_not_hide_ours(traced):
+    r = httpx.post(traced.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2,
+                                                         "stream": True},
+                   headers={"traceparent": "00-11111111111111111111111111111111-2222222222222222-00"})
+    assert r.status_code == 200
+    names = {s.name for s in spans_of(traced, "11111111111111111111111111111111")}
+    assert {"POST /v1/completions", "engine.prefill", "stream_out"} <= names     # recorded; the tail decides
+
+
+def test_traces_pushed_out_by_the_bound_keep_their_errors():
+    tracer, mem, sampler = sampler_setup({"L3": 0.0})
+    sampler.max_pending = 2
+    failing = root(tracer, "L3")
+    open_child("request.execute", time.monotonic(), parent=failing, async_mechanism="queue")   # never ends
+    stage("engine.prefill", time.monotonic(), time.monotonic(), parent=failing, error="engine_dead")
+    failing.span.end()
+    quiet = root(tracer, "L3")
+    open_child("request.execute", time.monotonic(), parent=quiet, async_mechanism="queue")
+    quiet.span.end()
+    third = root(tracer, "L3")
+    open_child("request.execute", time.monotonic(), parent=third, async_mechanism="queue")     # evicts `failing`
+    kept = {f"{s.context.trace_id:032x}" for s in mem.get_finished_spans()}
+    assert kept == {f"{failing.span.get_span_context().trace_id:032x}"}

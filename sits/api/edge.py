@@ -95,6 +95,12 @@ class EdgeMiddleware:
         try:
             await self._handle(scope, receive, send, headers, t0, [rid_header] + tp_header, path, method, status_seen,
                                root)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            if not status_seen:        # the app's catch-all answers 500 outside this middleware
+                status_seen.append(500)
+            raise
         finally:
             if root is not None:
                 status = status_seen[0] if status_seen else 499
@@ -156,7 +162,8 @@ class EdgeMiddleware:
                          + [(b"content-type", b"application/json")]}
 
         if root is not None:
-            stage("gateway.accept", t0, time.monotonic(), level="L1")
+            root.marks["accepted"] = now = time.monotonic()
+            stage("gateway.accept", t0, now, level="L1")
 
         async def send_with_headers(message):
             if message["type"] == "http.response.start":

@@ -99,8 +99,10 @@ class Generation:
                                                  priority=priority, interactive=interactive))
                 self.choices.append(ChoiceResult(idx, p_idx))
         self.prepared_at = time.monotonic()
-        tracing.stage("validate", self.accepted_at, self.prepared_at, level="L1",
-                      attributes={"sits.sequences": len(self.seqs)})
+        scope = tracing.current_scope.get()
+        if scope is not None:      # from the end of the body read (gateway.accept) to the queue
+            tracing.stage("validate", scope.marks.get("accepted", self.accepted_at), self.prepared_at, level="L1",
+                          attributes={"sits.sequences": len(self.seqs)})
         self.ttft_slo_ms: float | None = getattr(backend, "ttft_slo_ms", None)
         self.num_prompts = len(jobs)
         self._started = False
@@ -207,12 +209,14 @@ class Generation:
     def _trace_engine(self, i: int, choice: ChoiceResult) -> None:
         """The engine's stages of one choice, from its own timestamps: queue, prefill, decode."""
         first, last = choice.first, choice.last
-        if first is None or tracing.current_scope.get() is None:
+        scope = tracing.current_scope.get()
+        if first is None or scope is None:
             return
         sched = first.first_scheduled_time or first.arrival_time
         ftt = first.first_token_time or first.time
         attrs = {"sits.choice": i}
-        tracing.stage("engine.queue", first.arrival_time, sched, level="L1", attributes=attrs)
+        queued = min(max(first.arrival_time, scope.marks.get("routed", first.arrival_time)), sched)
+        tracing.stage("engine.queue", queued, sched, level="L1", attributes=attrs)
         tracing.stage("engine.prefill", sched, ftt, level="L1",
                       attributes={**attrs, genai.USAGE_INPUT: first.num_prompt_tokens,
                                   "sits.cached_tokens": first.num_cached_tokens})

@@ -36,6 +36,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
+        self._raw_head = 0
         self._rejected = False
         self._arm()
 
@@ -73,7 +74,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._rejected:
             return
+        in_head = self._head_timer is not None
         super().data_received(data)
+        # httptools buffers an unfinished header line without calling back: count raw bytes too, and
+        # refuse a head still incomplete past the cap (bytes after a completed head are body, not head)
+        if in_head and not self._rejected:
+            self._raw_head += len(data)
+            if self._head_timer is not None and self._raw_head > self.max_header_bytes:
+                self._reject(_response(431, "Request Header Fields Too Large",
+                                       f"the request head exceeds {self.max_header_bytes} bytes", "headers_too_large"))
+        if self._head_timer is None:
+            self._raw_head = 0
 
     def send_400_response(self, msg: str) -> None:
         if not self._rejected:            # a rejected head raised out of the parser: already answered

@@ -204,6 +204,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
 
 # -- running ----------------------------------------------------------------------------------------
 def _trace_request(gen: Generation, chunks: "_Chunks") -> None:
+    if tracing.current_scope.get() is None:
+        return
     body = chunks.body
     tracing.annotate({genai.OPERATION: "chat" if isinstance(body, ChatCompletionRequest) else "text_completion",
                       genai.PROVIDER_NAME: genai.PROVIDER, genai.REQUEST_MODEL: body.model or chunks.backend.name,
@@ -214,6 +216,8 @@ def _trace_request(gen: Generation, chunks: "_Chunks") -> None:
 
 
 def _trace_response(gen: Generation, chunks: "_Chunks") -> None:
+    if tracing.current_scope.get() is None:
+        return
     tracing.annotate({genai.RESPONSE_ID: chunks.cid, genai.RESPONSE_MODEL: chunks.backend.name,
                       genai.USAGE_INPUT: gen.prompt_tokens, genai.USAGE_OUTPUT: gen.completion_tokens,
                       genai.RESPONSE_FINISH_REASONS: [c.finish_reason or "abort" for c in gen.choices]})

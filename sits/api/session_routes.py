@@ -57,18 +57,15 @@ class SessionTurn:
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorResponse, "description": "missing or wrong API key"},
-    404: {"model": ErrorResponse, "description": "no such session (or it expired)"},
-    503: {"model": ErrorResponse, "description": "no session store configured"},
+    404: {"model": ErrorResponse, "description": "no such session, or this server keeps none"},
 }
 
 
 def _store(request: Request) -> SessionStore:
     store = context_of(request).sessions
     if store is None:
-        err = SitsError("this server keeps no sessions: start it with --session-store or a --data-dir",
-                        code="sessions_disabled")
-        err.http_status = 503
-        raise err
+        raise SessionNotFoundError("this server keeps no sessions: start it with --session-store or a --data-dir",
+                                   param="session_id", code="sessions_disabled")
     return store
 
 

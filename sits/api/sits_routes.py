@@ -63,19 +63,26 @@ async def submit(body: SitsRequest, request: Request) -> JSONResponse:
     rid = f"req_{new_request_id()}"
     t0 = accepted_at(request)
     # the work goes on after the 202: one live span across that boundary, every transition an event on it
-    tracing.annotate({genai.LEVEL: "L3", genai.OPERATION: "chat" if body.messages is not None else "text_completion",
-                      genai.REQUEST_MODEL: body.unit, genai.REQUEST_MAX_TOKENS: body.constraints.max_tokens,
-                      "sits.request_id": rid})
+    if tracing.current_scope.get() is not None:
+        tracing.annotate({genai.LEVEL: "L3", genai.OPERATION: "chat" if body.messages is not None else "text_completion",
+                          genai.REQUEST_MODEL: body.unit, genai.REQUEST_MAX_TOKENS: body.constraints.max_tokens,
+                          "sits.request_id": rid})
+    if body.callback_url is not None:
+        validate_callback_url(body.callback_url, allow_private=ctx.settings.allow_private_callbacks)
+    # opened only once nothing can refuse the request any more (an unended span would hold its trace)
     execution = tracing.open_child("request.execute", t0, level="L3", async_mechanism="queue",
                                    attributes={"sits.request_id": rid, genai.REQUEST_MODEL: body.unit})
     if execution is not None:
         subscribers.append(lambda ev: execution.span.add_event(ev.state.value,
                                                                timestamp=tracing.wall_ns(time.monotonic())))
     if body.callback_url is not None:
-        validate_callback_url(body.callback_url, allow_private=ctx.settings.allow_private_callbacks)
         subscribers.append(_dispatcher(request).subscriber(
             rid, body.callback_url, trace=execution, traceparent=request.scope.get("state", {}).get("sits_traceparent")))
-    tr = _store(request).create(rid, body.unit, subscribers)
+    try:
+        tr = _store(request).create(rid, body.unit, subscribers)
+    except BaseException:
+        tracing.close(execution)          # refused (e.g. 429): the root span says why
+        raise
     tr.trace = execution
     tr.task = asyncio.get_running_loop().create_task(_execute(ctx, tr, body, t0), name=f"sits-request-{rid}")
     headers = {"location": f"/v1/requests/{rid}"}

@@ -44,11 +44,15 @@ def _literal_ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | No
 
 
 def is_private_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    mapped = getattr(ip, "ipv4_mapped", None)
-    if mapped is not None:
-        ip = mapped
-    return (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_reserved
-            or ip.is_multicast)
+    """Anything but a globally routable unicast address (IPv4 inside IPv6 forms unwrapped): private,
+    loopback, link-local, CGNAT (100.64/10, e.g. a cloud metadata address), reserved, multicast."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        for inner in (ip.ipv4_mapped, ip.sixtofour, (ip.teredo or (None, None))[1]):
+            if inner is not None and is_private_address(inner):
+                return True
+    if isinstance(ip, ipaddress.IPv6Address) and ip.is_site_local:
+        return True
+    return not ip.is_global or ip.is_multicast
 
 
 def validate_callback_url(url: str, *, allow_private: bool = False) -> str:
@@ -76,6 +80,10 @@ def validate_callback_url(url: str, *, allow_private: bool = False) -> str:
         raise bad("has no host")
     if parts.username or parts.password:
         raise bad("must not carry credentials")
+    try:
+        parts.hostname.encode("idna")
+    except UnicodeError:
+        raise bad("has a host name that is not valid (IDNA)") from None
     if not allow_private:
         host = parts.hostname.rstrip(".")
         ip = _literal_ip(host)
@@ -85,16 +93,30 @@ def validate_callback_url(url: str, *, allow_private: bool = False) -> str:
     return url
 
 
-async def resolves_private(host: str) -> bool:
-    """True if ``host`` resolves to any private / loopback address (or does not resolve)."""
+async def public_address(host: str) -> str | None:
+    """The address to connect to for ``host``, or None if it resolves to any non-public address
+    (or not at all). Delivery connects to exactly this address, so a name cannot be re-resolved to
+    a private one between the check and the POST (DNS rebinding)."""
     ip = _literal_ip(host)
     if ip is not None:
-        return is_private_address(ip)
+        return None if is_private_address(ip) else str(ip)
     try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, None)
-    except OSError:
-        return True
-    return any(is_private_address(ipaddress.ip_address(info[4][0].split("%")[0])) for info in infos)
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        addrs = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+    except (OSError, UnicodeError, ValueError):
+        return None
+    if not addrs or any(is_private_address(a) for a in addrs):
+        return None
+    return str(addrs[0])
+
+
+def _pinned(url: str, address: str) -> tuple[str, dict[str, str], dict]:
+    """``url`` with its host replaced by ``address``; the Host header (and TLS SNI) keep the name."""
+    parts = urlsplit(url)
+    host = f"[{address}]" if ":" in address else address
+    netloc = host + (f":{parts.port}" if parts.port else "")
+    ext = {"sni_hostname": parts.hostname} if parts.scheme == "https" else {}
+    return parts._replace(netloc=netloc).geturl(), {"host": parts.netloc.rpartition("@")[2]}, ext
 
 
 def sign(secret: str, timestamp: str, body: bytes) -> str:
@@ -138,26 +160,35 @@ class WebhookDispatcher:
     async def _worker(self, request_id: str, url: str, q: asyncio.Queue, trace=None,
                       traceparent: str | None = None) -> None:
         tp = trace.traceparent if trace is not None else traceparent
+        # one live span for the whole delivery sequence: the trace is decided only after its last POST
+        calls = tracing.open_child("webhooks", time.monotonic(), parent=trace, level="L4", async_mechanism="callback",
+                                   attributes={"url.full": url}) if trace is not None else None
+        failed = False
         try:
             while True:
                 ev: LifecycleEvent = await q.get()
                 t0 = time.monotonic()
                 ok = await self._deliver(url, ev, tp)
-                if trace is not None:
-                    tracing.stage("webhook.deliver", t0, time.monotonic(), parent=trace, level="L4",
-                                  async_mechanism="callback", error=None if ok else "webhook_failed",
-                                  attributes={"sits.event": ev.state.value, "url.full": url})
+                failed |= not ok
+                if calls is not None:
+                    tracing.stage("webhook.deliver", t0, time.monotonic(), parent=calls, level="L4",
+                                  error=None if ok else "webhook_failed", attributes={"sits.event": ev.state.value})
                 if ev.state.terminal:
                     return
         finally:
             self._queues.pop(request_id, None)
+            tracing.close(calls, error="webhook_failed" if failed else None)
 
     async def _deliver(self, url: str, ev: LifecycleEvent, traceparent: str | None = None) -> bool:
-        if not self.allow_private and await resolves_private(urlsplit(url).hostname or ""):
-            log.warning("webhook %s for %s refused: the host resolves to a private or loopback address",
-                        url, ev.request_id)
-            self.metrics.webhook_deliveries.labels("refused").inc()
-            return False
+        target, pin_headers, ext = url, {}, {}
+        if not self.allow_private:
+            address = await public_address(urlsplit(url).hostname or "")
+            if address is None:
+                log.warning("webhook %s for %s refused: the host does not resolve to a public address",
+                            url, ev.request_id)
+                self.metrics.webhook_deliveries.labels("refused").inc()
+                return False
+            target, pin_headers, ext = _pinned(url, address)
         body = json.dumps({"object": "sits.request.event", **ev.to_dict()}, separators=(",", ":")).encode()
         delay = self.backoff_s
         for attempt in range(1, self.max_attempts + 1):
@@ -170,7 +201,8 @@ class WebhookDispatcher:
             if traceparent:
                 headers["traceparent"] = traceparent
             try:
-                r = await self._client.post(url, content=body, headers=headers)
+                r = await self._client.post(target, content=body, headers=headers | pin_headers,
+                                            extensions=ext or None)
                 if r.status_code < 300:
                     self.metrics.webhook_deliveries.labels("delivered").inc()
                     return True

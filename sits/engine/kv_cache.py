@@ -3,7 +3,7 @@
 With ``touch="background"`` (a cold start with a request already waiting) the tensors are
 allocated as zero pages the kernel has not mapped yet (a large calloc is an anonymous mmap, never
 written), and ``touch_some`` faults them in a slice at a time while the engine is idle; a slice is
-rewritten with its own contents, so blocks already holding K/V keep them. The pool must read as
+rewritten in place (multiplied by one), so blocks already holding K/V keep them. The pool must read as
 zeros from the start: attention over a padded block table multiplies masked positions' V by a zero
 weight, and 0 x NaN (uninitialised memory) would poison the whole row.
 """
@@ -51,7 +51,7 @@ class KVCache:
         for _ in range(min(max_slices, len(self._pending))):
             layer, start = self._pending.pop()
             view = self.layers[layer][:, start:start + self.TOUCH_BLOCKS]
-            view.copy_(view)
+            view.mul_(1)      # writes every page, values unchanged (copy_ onto itself is a no-op in ATen)
         return bool(self._pending)
 
 

@@ -217,9 +217,11 @@ class Tokenizer:
             bos_id = next(iter(_id_list(generation_config.get("bos_token_id"))
                                or _id_list(model_config.get("bos_token_id"))), None)
         pad_id = token_id(pad_token)
-        return cls(backend, eos_token_ids=eos_ids, bos_token_id=bos_id, pad_token_id=pad_id,
-                   bos_token=bos_token, eos_token=eos_token, pad_token=pad_token,
-                   chat_template=_load_chat_template(root, config), source=str(root))
+        tok = cls(backend, eos_token_ids=eos_ids, bos_token_id=bos_id, pad_token_id=pad_id,
+                  bos_token=bos_token, eos_token=eos_token, pad_token=pad_token,
+                  chat_template=_load_chat_template(root, config), source=str(root))
+        tok.max_token_chars  # noqa: B018 - computed at load (a vocabulary scan), not on a first request
+        return tok
 
     def encode(self, text: str, add_special_tokens: bool = False, max_tokens: int | None = None) -> list[int]:
         """Token ids of ``text``; special-token strings in it (e.g. ``<|im_start|>``) map to their ids.

@@ -46,7 +46,17 @@ class LinkJitter(_Fault):
         return self
 
 
-class StepDegradation(_Fault):
+class _InstanceFault(_Fault):
+    """Acts on whole instances, not on requests: routes and probability do not apply."""
+
+    @model_validator(mode="after")
+    def _per_instance(self):
+        if self.routes is not None or self.probability != 1.0:
+            raise ValueError(f"{self.kind} acts on whole instances: use 'instances', not routes or probability")
+        return self
+
+
+class StepDegradation(_InstanceFault):
     """An instance whose engine step takes at least stages_ms[i], i growing every stage_s seconds."""
 
     kind: Literal["step_degradation"]
@@ -82,7 +92,7 @@ class FirstFrameBlock(_Fault):
     block_ms: float = Field(1000.0, ge=0)
 
 
-class HeartbeatTimeout(_Fault):
+class HeartbeatTimeout(_InstanceFault):
     """Instances that stop answering health checks while alive (and keep serving what they have)."""
 
     kind: Literal["heartbeat_timeout"]

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from opentelemetry import trace as otel_trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.sdk.trace.export import (BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor,
                                             SpanExporter, SpanExportResult)
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -82,15 +83,30 @@ class LevelTailSampler(SpanProcessor):
             with self._lock:
                 tid = span.context.trace_id
                 if tid not in self._decided:
-                    self._trace(tid).open_async += 1
+                    t, evicted = self._trace(tid)
+                    t.open_async += 1
+                    for s in evicted:
+                        self.downstream.on_end(s)
 
-    def _trace(self, tid: int) -> _PendingTrace:
+    def _trace(self, tid: int) -> tuple[_PendingTrace, list[ReadableSpan]]:
+        """The pending trace; and, when the bound forced the oldest one out, its spans to forward
+        (decided early: kept if it already holds an error, else dropped; later spans follow that)."""
         t = self._pending.get(tid)
+        evicted: list[ReadableSpan] = []
         if t is None:
             t = self._pending[tid] = _PendingTrace()
-            while len(self._pending) > self.max_pending:   # bounded: the oldest undecided trace is dropped
-                self._pending.popitem(last=False)
-        return t
+            while len(self._pending) > self.max_pending:
+                old_tid, old = self._pending.popitem(last=False)
+                self._remember(old_tid, old.keep_anyway, old.root_level)
+                if old.keep_anyway:
+                    evicted.extend(old.spans)
+        return t, evicted
+
+    def _remember(self, tid: int, keep: bool, level: str | None) -> None:
+        self._decided[tid] = keep
+        while len(self._decided) > self._max_decided:
+            self._decided.popitem(last=False)
+        (self.kept if keep else self.dropped)[level or "L4"] += 1
 
     def on_end(self, span: ReadableSpan) -> None:
         tid = span.context.trace_id
@@ -102,7 +118,7 @@ class LevelTailSampler(SpanProcessor):
                 if self._decided[tid] or failed:
                     forward = [span]
             else:
-                t = self._trace(tid)
+                t, forward = self._trace(tid)
                 t.spans.append(span)
                 t.keep_anyway |= failed
                 if attrs.get(genai.ASYNC_BOUNDARY) is True and t.open_async:
@@ -114,11 +130,9 @@ class LevelTailSampler(SpanProcessor):
                 if t.root_ended and t.open_async <= 0:
                     keep = t.keep_anyway or self._sampled(tid, t.root_level)
                     del self._pending[tid]
-                    self._decided[tid] = keep
-                    while len(self._decided) > self._max_decided:
-                        self._decided.popitem(last=False)
-                    (self.kept if keep else self.dropped)[t.root_level or "L4"] += 1
-                    forward = t.spans if keep else []
+                    self._remember(tid, keep, t.root_level)
+                    if keep:
+                        forward = forward + t.spans
         for s in forward:
             self.downstream.on_end(s)
 
@@ -184,8 +198,10 @@ class Tracing:
         self.exporter_name, exporter_obj = exporter_from_env(exporter)
         self.enabled = exporter_obj is not None
         self.memory = exporter_obj if isinstance(exporter_obj, RingSpanExporter) else None
-        self.provider = TracerProvider(resource=Resource.create({"service.name": service_name,
-                                                                 "service.version": __version__}))
+        # every span is recorded (the decision is the tail sampler's, at the end); without this the SDK
+        # would head-sample by the client's flags or OTEL_TRACES_SAMPLER and lose errors
+        self.provider = TracerProvider(sampler=ALWAYS_ON, resource=Resource.create({
+            "service.name": service_name, "service.version": __version__}))
         self.sampler: LevelTailSampler | None = None
         if exporter_obj is not None:
             batch = SimpleSpanProcessor(exporter_obj) if self.memory is not None else BatchSpanProcessor(exporter_obj)
@@ -213,10 +229,11 @@ class Tracing:
 # -- recording stages under the current request ---------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Scope:
-    """A span and the tracer that makes its children."""
+    """A span and the tracer that makes its children (``marks``: times stages share, e.g. body read)."""
 
     tracer: otel_trace.Tracer
     span: Span
+    marks: dict = field(default_factory=dict)
 
     @property
     def traceparent(self) -> str | None:

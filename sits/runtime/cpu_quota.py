@@ -247,10 +247,10 @@ class CpuQuotaManager:
         return CpuQuota(cpus, mech, threads, group,
                         f"limited to {quota_us} us of CPU per {PERIOD_US} us period via {mech}{clamp}")
 
-    def release(self, name: str) -> None:
+    def release(self, name: str, tries: int | None = None) -> None:
         """Remove the instance's group once it is empty. Moves nothing: the instance is expected
         to have exited; if it still holds processes the group is kept and retried quietly on
-        later calls. Never raises."""
+        later calls (``reap``). Never raises. ``tries=1`` never sleeps (for an event loop)."""
         try:
             group = self.group_path(name)
         except Exception:       # noqa: BLE001 -- release is cleanup, it must not fail
@@ -258,12 +258,17 @@ class CpuQuotaManager:
         if group is None:
             return
         self._pending.add(group)
-        for attempt in range(_RELEASE_TRIES):
+        tries = _RELEASE_TRIES if tries is None else max(1, tries)
+        for attempt in range(tries):
             if self._rmdir(group):
                 self._pending.discard(group)
                 break
-            if attempt + 1 < _RELEASE_TRIES:
+            if attempt + 1 < tries:
                 time.sleep(_RELEASE_SLEEP_S)
+        self._reap_pending()
+
+    def reap(self) -> None:
+        """Retry removing groups that still held processes (cheap: one rmdir each)."""
         self._reap_pending()
 
     def _reap_pending(self) -> None:

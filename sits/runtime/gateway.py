@@ -155,7 +155,7 @@ class UnitBackend:
                                       code="duplicate_request_id")
         return Sequence(request_id, ids, params, priority=priority, interactive=interactive)
 
-    async def _acquire(self, rid: str, seq: Sequence, hashes: list[int], session_id: str | None):
+    async def _acquire(self, rid: str, seq: Sequence, hashes: list[int], session_id: str | None, lag_s: float = 0.0):
         """A READY instance for this request and why the router picked it, or the error it was aborted with."""
         budget = len(seq.prompt_token_ids) + seq.params.max_tokens
 
@@ -171,8 +171,12 @@ class UnitBackend:
         aborted: asyncio.Future = asyncio.get_running_loop().create_future()
         self._waiters[rid] = aborted
         try:
-            acquire = asyncio.ensure_future(self.pool.acquire(on_wait=lambda: self.gateway.kick(self.name),
-                                                              choose=choose))
+            async def lagged_acquire():
+                if lag_s:
+                    await asyncio.sleep(lag_s)     # fault: held in the gateway queue (abortable, like any wait)
+                return await self.pool.acquire(on_wait=lambda: self.gateway.kick(self.name), choose=choose)
+
+            acquire = asyncio.ensure_future(lagged_acquire())
             done, _ = await asyncio.wait({acquire, aborted}, return_when=asyncio.FIRST_COMPLETED)
             if aborted in done:
                 acquire.cancel()
@@ -187,15 +191,17 @@ class UnitBackend:
     def _trace_route(self, start: float, inst, why: str | None, failovers: int) -> None:
         """The route stage (queueing in the gateway included); if this request waited for the instance's
         cold start, a ``cold_start`` span with one child per phase (laid end to end, as measured)."""
-        if tracing.current_scope.get() is None:
+        current = tracing.current_scope.get()
+        if current is None:
             return
         now = time.monotonic()
+        current.marks["routed"] = now        # the engine's queue stage starts here, not at prepare
         scope = tracing.stage("route", start, now, level="L1",
                               attributes={"sits.unit": self.name, "sits.instance": inst.id,
                                           "sits.route.reason": why,
                                           "sits.failover": failovers or None})
         if inst.ready_at is not None and inst.ready_at > start and inst.report:
-            cs = tracing.stage("cold_start", inst.requested_at, inst.ready_at, parent=scope, level="L1",
+            cs = tracing.stage("cold_start", max(inst.requested_at, start), inst.ready_at, parent=scope, level="L1",
                                async_mechanism="fork" if "fork" in inst.report.get("phases_ms", {}) else "spawn",
                                attributes={"sits.instance": inst.id, "sits.pid": inst.pid})
             t = inst.requested_at
@@ -207,11 +213,15 @@ class UnitBackend:
         """Stream from an instance (with failover); the end is one outcome for the SLA breaker.
 
         The outcome's TTFT is the gateway's own (from ``prepare``: queueing, cold start and link
-        delays included), because that is what the client waited for.
+        delays included), because that is what the client waited for. One client request is one
+        outcome (and at most one probe): its first sequence speaks for it (``<id>-0``; n > 1 and
+        prompt lists add sequences ``-1``, ``-2``, ...). A stream that ends early is still an SLO miss
+        once it waited longer than the SLO.
         """
         self.window.arrival()
         self.idle_since = None
-        probe = self.breaker.probe_started()
+        primary = seq.request_id.endswith("-0")
+        probe = self.breaker.probe_started() if primary else None
         error_code: str | None = None
         finished = False
         seen_first: list[float] = []      # the gateway's own time to first token (ms), once known
@@ -226,11 +236,15 @@ class UnitBackend:
                 error_code = e.code
             raise
         finally:
-            if finished or error_code is not None:
-                self.breaker.record(self.breaker.classify(seen_first[0] if seen_first else None, error_code),
-                                    probe=probe)
-            elif probe:
-                self.breaker.probe_cancelled()
+            if primary:
+                waited_ms = seen_first[0] if seen_first else (time.monotonic() - seq.arrival_time) * 1e3
+                if finished or error_code is not None:
+                    self.breaker.record(self.breaker.classify(seen_first[0] if seen_first else None, error_code),
+                                        probe=probe)
+                elif waited_ms > self.ttft_slo_ms:      # abandoned or cut short after the SLO had passed
+                    self.breaker.record(self.breaker.classify(waited_ms, None), probe=probe)
+                else:
+                    self.breaker.probe_cancelled(probe)
 
     async def _stream_with_failover(self, seq: Sequence, seen_first: list[float]) -> AsyncIterator[TokenEvent]:
         """Stream from an instance; if it dies mid-stream, resume on another one.
@@ -253,12 +267,13 @@ class UnitBackend:
         self.gateway.observe_call(self.name, hints)
         hashes = prefix_hashes(seq.prompt_token_ids)
         faults = self.faults
-        if faults.active and (lag := faults.queue_lag_s(hints.path)):
-            await asyncio.sleep(lag)      # fault: held in the gateway queue
-        block = faults.first_frame_s(hints.path) if faults.active else 0.0
+        active = faults.active
+        lag = faults.queue_lag_s(hints.path) if active else 0.0
+        block = faults.first_frame_s(hints.path) if active else 0.0
         while True:
             t_route = seq.arrival_time if not failovers else time.monotonic()   # gateway queueing included
-            inst, why = await self._acquire(rid, cur, hashes, hints.session_id)
+            inst, why = await self._acquire(rid, cur, hashes, hints.session_id, lag)
+            lag = 0.0
             self._trace_route(t_route, inst, why, failovers)
             self.router.record(inst.id, hashes, hints.session_id)
             inst.inflight += 1
@@ -266,11 +281,13 @@ class UnitBackend:
             self._placed[rid] = inst.backend
             done = len(sent)
             try:
-                if faults.active and (d := faults.link_delay_s(hints.path)):
-                    await asyncio.sleep(d)    # fault: the request's frame to the instance is late
+                # fault: the request's own frame is late too; its delay joins the first event's, so the
+                # instance already has the stream (and an abort meanwhile reaches it)
+                uplink = faults.link_delay_s(hints.path) if active else 0.0
                 async for ev in inst.backend.stream(cur):
-                    if faults.active:
-                        if d := faults.link_delay_s(hints.path):
+                    if active:
+                        if d := faults.link_delay_s(hints.path) + uplink:
+                            uplink = 0.0
                             await asyncio.sleep(d)     # fault: this event's frame is late
                         if block and not sent:
                             await asyncio.sleep(block)  # fault: the first frame is held back

@@ -75,12 +75,16 @@ class _Directives:
         self.stage_s = 0.0
         self.since = 0.0
         self.drop_pings = False
+        self.dropped_ping: int | None = None     # answered once pings resume (the front end asks only once)
 
-    def update(self, d: dict) -> None:
+    def update(self, d: dict, conn) -> None:
         self.stages_ms = list(d.get("step_stages_ms") or [])
         self.stage_s = float(d.get("stage_s") or 0.0)
         self.since = time.monotonic()
         self.drop_pings = bool(d.get("drop_pings"))
+        if not self.drop_pings and self.dropped_ping is not None:
+            send_blocking(conn, ("pong", self.dropped_ping))
+            self.dropped_ping = None
 
     def step_floor_s(self) -> float:
         if not self.stages_ms:
@@ -119,8 +123,10 @@ def _loop(engine, conn: socket.socket) -> int:
                 elif kind == "ping":
                     if not faults.drop_pings:
                         send_blocking(conn, ("pong", msg[1]))
+                    else:
+                        faults.dropped_ping = msg[1]
                 elif kind == "directives":
-                    faults.update(msg[1])
+                    faults.update(msg[1], conn)
                 elif kind == "shutdown":
                     return 0
                 dirty = True

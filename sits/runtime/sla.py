@@ -65,8 +65,10 @@ class SlaBreaker:
         self.rejected = 0
         self.opened_at: float | None = None
         self._window: collections.deque[Outcome] = collections.deque()
+        self._ok_in_window = 0        # running count, so an outcome costs O(1), not O(window)
         self._probes_out = 0          # half-open probes admitted, outcome pending
         self._probes_ok = 0
+        self._epoch = 0               # bumped at every HALF_OPEN: a probe from an earlier one is ignored
         self._clock = clock
         self._on_transition = on_transition or (lambda a, b, why: None)
 
@@ -82,16 +84,16 @@ class SlaBreaker:
             return self._probes_out + self._probes_ok < self.spec.half_open_probes
         return False
 
-    def probe_started(self) -> bool:
-        """Count an admitted request as a probe when half-open; True if it is one."""
+    def probe_started(self) -> int | None:
+        """Count an admitted request as a probe when half-open; its ticket (the half-open episode), or None."""
         if self.state is BreakerState.HALF_OPEN:
             self._probes_out += 1
-            return True
-        return False
+            return self._epoch
+        return None
 
-    def probe_cancelled(self) -> None:
+    def probe_cancelled(self, ticket: int | None) -> None:
         """An admitted probe ended without an outcome (the client went away): free its slot."""
-        if self.state is BreakerState.HALF_OPEN:
+        if ticket is not None and ticket == self._epoch and self.state is BreakerState.HALF_OPEN:
             self._probes_out = max(0, self._probes_out - 1)
 
     def retry_after_s(self) -> int:
@@ -108,10 +110,12 @@ class SlaBreaker:
             return Outcome(now, False, ttft_ms, "slo_miss")
         return Outcome(now, True, ttft_ms, "ok")
 
-    def record(self, outcome: Outcome, *, probe: bool = False) -> None:
+    def record(self, outcome: Outcome, *, probe: int | None = None) -> None:
+        """``probe``: the ticket of ``probe_started`` (a probe of an earlier episode counts as a plain outcome)."""
         self._window.append(outcome)
+        self._ok_in_window += outcome.ok
         self._trim(outcome.at)
-        if probe and self.state is BreakerState.HALF_OPEN:
+        if probe is not None and probe == self._epoch and self.state is BreakerState.HALF_OPEN:
             self._probes_out = max(0, self._probes_out - 1)
             if not outcome.ok:
                 self._open(f"half-open probe failed ({outcome.reason})")
@@ -119,6 +123,7 @@ class SlaBreaker:
             self._probes_ok += 1
             if self._probes_ok >= self.spec.half_open_probes:
                 self._window.clear()       # a fresh window: the failures that opened it are history
+                self._ok_in_window = 0
                 self._move(BreakerState.CLOSED, f"{self._probes_ok} probe(s) succeeded")
             return
         if self.state is BreakerState.CLOSED:
@@ -135,19 +140,21 @@ class SlaBreaker:
     def _move(self, to: BreakerState, why: str) -> None:
         frm, self.state = self.state, to
         self._probes_out = self._probes_ok = 0
+        if to is BreakerState.HALF_OPEN:
+            self._epoch += 1
         self._on_transition(frm, to, why)
 
     def _trim(self, now: float) -> None:
         cut = now - self.spec.window_s
         while self._window and self._window[0].at < cut:
-            self._window.popleft()
+            self._ok_in_window -= self._window.popleft().ok
 
     def attainment(self) -> float | None:
         """The share of successes in the window (None with no outcomes)."""
         self._trim(self._clock())
         if not self._window:
             return None
-        return sum(o.ok for o in self._window) / len(self._window)
+        return self._ok_in_window / len(self._window)
 
     def view(self) -> dict:
         rate = self.attainment()

@@ -101,9 +101,11 @@ class UnitPool:
         if error is not None:
             inst.error = error
         if inst.quota is not None and inst.quota.get("cgroup"):
-            quota_manager().release(inst.id)
+            quota_manager().release(inst.id, tries=1)     # never sleeps on the event loop; reaped later
 
     def send_health_checks(self) -> None:
+        if _quota_manager is not None:
+            _quota_manager.reap()           # groups of instances that had not exited yet when stopped
         for inst in self.ready():
             inst.backend.ping()
 

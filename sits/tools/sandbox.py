@@ -14,6 +14,7 @@ same timeout.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
@@ -75,6 +76,11 @@ def _module(path: str, mtime: float):
     import wasmtime
     src = Path(path)
     return wasmtime.Module(_engine(), src.read_text() if src.suffix == ".wat" else src.read_bytes())
+
+
+# freed before the interpreter tears wasmtime's FFI down (else every cached object complains at exit)
+atexit.register(_engine.cache_clear)
+atexit.register(_module.cache_clear)
 
 
 def _guest_relative(path: str, mounts: list[str]) -> str:

@@ -1238,3 +1238,23 @@ def test_many_bad_requests_in_a_row_on_one_keepalive_connection(server):
     assert reply.closed
     assert reply.statuses[:-1] == [400] * 199 and reply.statuses[-1] == 200, reply.statuses[:10]
     assert_still_serving(server.url)
+
+
+def test_an_endless_header_line_is_refused_at_the_cap(server):
+    """httptools buffers an unfinished header line without a callback: the raw bytes count too."""
+    host, port = server.url.rsplit("/", 1)[-1].split(":")
+    t0 = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        got = b""
+        try:
+            for _ in range(64):
+                s.sendall(b"a" * 4096)
+        except OSError:
+            pass                                   # the server answered and closed
+        try:
+            got = s.recv(200)
+        except OSError:
+            pass
+    assert got.startswith(b"HTTP/1.1 431") and time.monotonic() - t0 < 3, got
+    assert_still_serving(server.url)
