@@ -13,13 +13,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from sits import __version__
-from sits.api import openai_routes, session_routes, sits_routes, tool_routes
+from sits.api import memory_routes, openai_routes, session_routes, sits_routes, tool_routes
 from sits.api.backend import BackendRegistry
 from sits.api.context import ServerContext, ServerSettings
 from sits.api.edge import EdgeMiddleware
@@ -43,16 +44,18 @@ class ServerShuttingDownError(SitsError):
 
 def create_app(registry: BackendRegistry, settings: ServerSettings | None = None, *,
                on_startup: list[Callable[[FastAPI], Awaitable[None]]] | None = None,
-               on_shutdown: list[Callable[[FastAPI], Awaitable[None]]] | None = None) -> FastAPI:
+               on_shutdown: list[Callable[[FastAPI], Awaitable[None]]] | None = None,
+               memory=None) -> FastAPI:
     """``on_startup`` hooks run as background tasks (e.g. loading a model while /ready says 503);
-    ``on_shutdown`` hooks run after the drain (e.g. stopping engines)."""
+    ``on_shutdown`` hooks run after the drain (e.g. stopping engines); ``memory``: a MemoryStore
+    someone else owns (the gateway's), else one in ``settings.data_dir``."""
     settings = settings or ServerSettings()
     tracing = Tracing(settings.trace_exporter, rates=settings.trace_level_rates)
     metrics = ServerMetrics(lambda: [(b.name, b.stats()) for b in registry.all()],
                             otel=GenAiMetrics(settings.otel_metrics))
     ctx = ServerContext(registry=registry, metrics=metrics, settings=settings, tracing=tracing,
                         sessions=open_session_store(settings.session_store, settings.data_dir),
-                        tools=ToolRegistry(list(settings.tool_dirs)))
+                        tools=ToolRegistry(list(settings.tool_dirs)), memory=memory if memory is not None else _memory_store(settings))
     ctx.store = RequestStore(retention_s=settings.request_retention_s, max_finished=settings.max_retained_requests,
                              max_pending=settings.max_pending_requests)
 
@@ -78,6 +81,8 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
             metrics.otel.shutdown()
             if ctx.sessions is not None:
                 await ctx.sessions.close()
+            if ctx.memory is not None and memory is None:
+                ctx.memory.close()
 
     app = FastAPI(title="SITS", version=__version__, lifespan=lifespan,
                   description="A serverless runtime for LLM inference: the OpenAI dialect and the SITS "
@@ -88,6 +93,7 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
     app.include_router(sits_routes.router)
     app.include_router(session_routes.router)
     app.include_router(tool_routes.router)
+    app.include_router(memory_routes.router)
 
     @app.get("/health", tags=["ops"])
     async def health() -> dict[str, Any]:
@@ -118,6 +124,15 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
                        body_timeout_s=lambda: settings.body_timeout_s, tracing=lambda: ctx.tracing)
     app.openapi = lambda: _openapi(app)
     return app
+
+
+def _memory_store(settings: ServerSettings):
+    """Vector memory lives in the data directory; the embedding model loads on first use."""
+    if settings.data_dir is None:
+        return None
+    from sits.memory.embedder import shared_embedder
+    from sits.memory.vectors import MemoryStore
+    return MemoryStore(Path(settings.data_dir) / "memory.db", lambda texts: shared_embedder().embed(texts).numpy())
 
 
 async def drain(app: FastAPI, grace_s: float) -> int:
@@ -151,7 +166,10 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     for path in schema.get("paths", {}).values():
         for op in path.values():
-            responses = op.get("responses", {})
+            responses = op.setdefault("responses", {})
+            # the edge answers these for any route (request head too slow / too large)
+            responses.setdefault("408", {"description": "the request head or body arrived too slowly"})
+            responses.setdefault("431", {"description": "the request head (line + headers) is too large"})
             if "422" in responses:
                 del responses["422"]
                 responses.setdefault("400", {"description": "invalid request (OpenAI error body)",

@@ -25,6 +25,7 @@ from sits.api.generation import ChoiceResult, Generation
 from sits.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                CompletionResponse, ModelCard, ModelList)
 from sits.api.session_routes import SessionTurn
+from sits.api.sits_routes import recall
 from sits.api.sse import SSE_DONE, ClientDisconnected, SSEResponse, sse_data, until_disconnect
 from sits.engine.errors import ContextLengthExceededError, InvalidRequestError, SitsError
 from sits.engine.llm_engine import TokenEvent
@@ -190,16 +191,24 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     turn = SessionTurn.of(ctx)
     if turn is not None:            # X-Session-ID: the stored conversation goes in front
         messages = await turn.conversation(messages)
+    rid = new_request_id()
+    citations: list[dict] = []
+    if (set_name := getattr(backend, "memory_set", None)) is not None:     # a RAG unit: retrieved context first
+        question = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
+        citations = await recall(ctx, set_name, question, f"chatcmpl-{rid}", backend.memory_top_k)
+        context = "\n".join(f"[{c['id']}] {c['text']}" for c in citations)
+        messages = [{"role": "system", "content": f"Answer from this context, citing the ids:\n{context}"}] + messages
     ids = chat_prompt_ids(messages, backend, body.add_generation_prompt)
     max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens(backend, len(ids))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs",
                                   code="invalid_parameter")
-    rid = new_request_id()
     gen = Generation(backend, ctx.metrics, ctx.inflight, rid, [(ids, sampling_params(body, max_tokens, logprobs))],
                      n=body.n, priority=body.priority, interactive=True, accepted_at=accepted_at(request))
-    return await _respond(request, gen, _ChatChunks(f"chatcmpl-{rid}", backend, gen, body), turn)
+    chunks = _ChatChunks(f"chatcmpl-{rid}", backend, gen, body)
+    chunks.citations = citations
+    return await _respond(request, gen, chunks, turn)
 
 
 # -- running ----------------------------------------------------------------------------------------
@@ -243,6 +252,8 @@ async def _respond(request: Request, gen: Generation, chunks: "_Chunks", turn: S
     out = {"id": chunks.cid, "object": chunks.response_object, "created": int(time.time()),
            "model": chunks.backend.name, "choices": [chunks.final_choice(ch) for ch in gen.choices],
            "usage": gen.usage()}
+    if chunks.citations:
+        out["citations"] = chunks.citations
     return JSONResponse(out, headers=response_headers(gen, warning) | (turn.headers() if turn else {}))
 
 
@@ -269,6 +280,7 @@ class _Chunks(ABC):
 
     def __init__(self, cid: str, backend: Backend, gen: Generation, body):
         self.cid, self.backend, self.gen, self.body = cid, backend, gen, body
+        self.citations: list[dict] = []      # a RAG unit's retrieved memories (an extra field clients ignore)
         self.created = int(time.time())
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -327,8 +339,11 @@ class _ChatChunks(_Chunks):
                 "logprobs": chat_logprobs(self.backend, ch) if self.body.logprobs else None}
 
     def opening(self) -> list[dict]:
-        return [self.base([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None}]) for c in self.gen.choices]
+        out = [self.base([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None}]) for c in self.gen.choices]
+        if self.citations:
+            out[0]["citations"] = self.citations
+        return out
 
     def delta(self, i: int, ev: TokenEvent) -> dict | None:
         if not ev.text and not ev.finished:

@@ -207,6 +207,7 @@ class SitsRequest(_Request):
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     interactive: bool = Field(False, description="a user watches the stream (vs a batch job)")
+    remember: bool = Field(False, description="with memory_ref: write the question and answer into that set")
 
 
 class SitsRequestView(BaseModel):
@@ -225,3 +226,5 @@ class SitsRequestView(BaseModel):
     timings: dict[str, float | None] = {}
     error: dict[str, Any] | None = None
     events_url: str
+    citations: list[dict[str, Any]] | None = Field(None, description="memories retrieved for it (memory_ref)")
+    memories_written: list[str] | None = None

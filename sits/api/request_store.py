@@ -47,6 +47,8 @@ class TrackedRequest:
     cancel_reason: tuple[str, str] | None = None     # (code, message) set by DELETE
     finished_at: float | None = None                 # time.monotonic() when terminal
     trace: Any = None                                # the execution's tracing Scope, when traced
+    citations: list[dict] = field(default_factory=list)      # memories retrieved for it (memory_ref)
+    memories_written: list[str] = field(default_factory=list)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def start(self, subscribers: list[Subscriber]) -> None:
@@ -100,6 +102,7 @@ class TrackedRequest:
             "output": "".join(self.output) if terminal else None,
             "finish_reason": self.finish_reason, "usage": self.usage, "timings": self.timings,
             "error": self.error, "events_url": f"{base_url}/v1/requests/{self.id}/events",
+            "citations": self.citations or None, "memories_written": self.memories_written or None,
         }
 
 

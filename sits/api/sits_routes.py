@@ -139,9 +139,13 @@ def _sampling(body: SitsRequest, max_tokens: int) -> SamplingParams:
                           top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=stop)
 
 
-async def _validate(ctx: ServerContext, body: SitsRequest, turn: SessionTurn | None):
+MEMORY_TOP_K = 4
+
+
+async def _validate(ctx: ServerContext, body: SitsRequest, turn: SessionTurn | None, rid: str):
     """VALIDATING: unit, tools, memory, context. Raises SitsError (-> REJECTED with its code).
-    With a session, the stored conversation goes in front (a bare prompt is then a user turn)."""
+    With a session, the stored conversation goes in front (a bare prompt is then a user turn); with
+    a ``memory_ref``, the set's closest memories go in front of the question, recorded as retrieved."""
     try:
         backend = ctx.registry.get(body.unit)
     except ModelNotFoundError as e:
@@ -157,22 +161,41 @@ async def _validate(ctx: ServerContext, body: SitsRequest, turn: SessionTurn | N
         except ToolError as e:
             raise InvalidRequestError(f"unit {backend.name!r}: {e.message}", param="allowed_tools",
                                       code=e.code) from None
-    if body.memory_ref is not None:
-        raise InvalidRequestError(f"no memory set {clip(body.memory_ref)} exists", param="memory_ref",
-                                  code="memory_not_found")
+    question = body.prompt or ""
+    if body.messages is not None:
+        question = next((m.text() for m in reversed(body.messages) if m.role == "user"), body.messages[-1].text())
+    set_name = body.memory_ref or getattr(backend, "memory_set", None)     # a RAG unit retrieves by itself
+    citations = (await recall(ctx, set_name, question, rid, getattr(backend, "memory_top_k", MEMORY_TOP_K))
+                 if set_name is not None else [])
+    context = "\n".join(f"[{c['id']}] {c['text']}" for c in citations)
     if body.messages is not None or turn is not None:
         messages = ([{"role": m.role, "content": m.text()} for m in body.messages] if body.messages is not None
                     else [{"role": "user", "content": body.prompt or ""}])
         if turn is not None:
             messages = await turn.conversation(messages)
+        if context:
+            messages = [{"role": "system", "content": f"Answer from this context, citing the ids:\n{context}"}] + messages
         if len(messages) > backend.max_model_len:
             raise InvalidRequestError(f"{len(messages)} messages cannot fit in this unit's {backend.max_model_len} "
                                       "tokens", param="messages", code="context_length_exceeded")
         prompt: str | list[int] = backend.tokenizer.encode(backend.tokenizer.apply_chat_template(messages),
                                                            max_tokens=backend.max_model_len)
     else:
-        prompt = body.prompt or ""
-    return backend, prompt, _sampling(body, body.constraints.max_tokens)
+        prompt = (f"Context:\n{context}\n\nQuestion: {body.prompt}\nAnswer:" if context else body.prompt) or ""
+    return backend, prompt, _sampling(body, body.constraints.max_tokens), citations
+
+
+async def recall(ctx: ServerContext, set_name: str, question: str, rid: str, k: int = MEMORY_TOP_K) -> list[dict]:
+    """The set's ``k`` closest memories to ``question`` as citations, recorded as retrieved by ``rid``."""
+    store = ctx.memory
+    if store is None:
+        raise InvalidRequestError(f"no memory set {clip(set_name)} exists (this server keeps no memory)",
+                                  param="memory_ref", code="memory_not_found")
+    hits = await asyncio.to_thread(store.search, set_name, question, k, response_id=rid)
+    if not hits:
+        raise InvalidRequestError(f"no memory set {clip(set_name)} exists (or it holds nothing now)",
+                                  param="memory_ref", code="memory_not_found")
+    return [{"id": f"m_{h.id}", "score": round(h.score, 4), "text": h.text[:500], "meta": h.meta} for h in hits]
 
 
 async def _execute(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest, t0: float) -> None:
@@ -203,7 +226,8 @@ async def _run_request(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest
         async with asyncio.timeout(None if deadline is None else deadline - time.monotonic()):
             lc.advance(RequestState.VALIDATING)
             turn = SessionTurn.of(ctx)
-            backend, prompt, params = await _validate(ctx, body, turn)
+            backend, prompt, params, citations = await _validate(ctx, body, turn, tr.id)
+            tr.citations = citations
             gen = Generation(backend, ctx.metrics, ctx.inflight, tr.id, [(prompt, params)],
                              priority=body.constraints.priority, interactive=body.interactive, accepted_at=t0)
             lc.advance(RequestState.EXECUTING)
@@ -218,8 +242,16 @@ async def _run_request(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest
                 instance = getattr(backend, "session_instance", lambda sid: None)(turn.session_id)
                 await turn.remember("".join(tr.output), unit=backend.name, instance=instance,
                                     memory_refs=[body.memory_ref] if body.memory_ref else None)
+            if body.remember and (body.memory_ref or getattr(backend, "memory_set", None)) and ctx.memory is not None:
+                written = await asyncio.to_thread(
+                    ctx.memory.add, body.memory_ref or backend.memory_set, [f"Q: {body.prompt or _last_user(body)}\nA: {''.join(tr.output)}"],
+                    [{"request": tr.id}], response_id=tr.id)
+                tr.memories_written = [f"m_{i}" for i in written]
             lc.advance(RequestState.RESOLVED, {"output": "".join(tr.output), "finish_reason": ch.finish_reason,
-                                               "usage": tr.usage, "timings": tr.timings})
+                                               "usage": tr.usage, "timings": tr.timings,
+                                               **({"citations": tr.citations} if tr.citations else {}),
+                                               **({"memories_written": tr.memories_written}
+                                                  if tr.memories_written else {})})
     except TimeoutError:
         _finish_timings(tr, gen)
         lc.reject("timeout", f"timeout_ms={timeout_ms} ran out in {lc.state.value}")
@@ -235,6 +267,10 @@ async def _run_request(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest
         log.exception("request %s failed", tr.id)
         _finish_timings(tr, gen)
         lc.reject("internal_error", f"internal error: {type(e).__name__}")
+
+
+def _last_user(body: SitsRequest) -> str:
+    return next((m.text() for m in reversed(body.messages or []) if m.role == "user"), "")
 
 
 def _finish_timings(tr: TrackedRequest, gen: Generation | None) -> None:

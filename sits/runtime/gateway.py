@@ -28,6 +28,9 @@ from sits.engine.sampling_params import SamplingParams
 from sits.engine.sequence import Sequence
 from sits.engine.tokenizer import Tokenizer
 from sits.faults import FaultInjector, FaultsSpec
+from sits.memory.embedder import shared_embedder
+from sits.memory.ingest import ingest_dir
+from sits.memory.vectors import MemoryStore
 from sits.observe import tracing
 from sits.runtime.autoscaler import Autoscaler, ScaleDecision
 from sits.runtime.sla import NOT_OUTCOMES, BreakerState, SlaBreaker, SlaBreakerOpenError
@@ -67,6 +70,9 @@ class UnitBackend:
         self.kv_capacity_tokens = self.max_model_len
         self.ttft_slo_ms = spec.slo.ttft_ms        # responses slower than this are SLO violations (traces keep them)
         self.tools = list(spec.tools)              # tool contracts requests may ask for (semver constraints)
+        self.memory_set = spec.memory.set if spec.memory else None     # a RAG unit retrieves from this set
+        self.memory_top_k = spec.memory.top_k if spec.memory else 4
+        self.ingested: dict | None = None
         self.tool_dirs = dict(spec.tool_dirs)
         self.python_tools = spec.python_tools
         self.gateway = gateway
@@ -400,6 +406,7 @@ class UnitBackend:
             {"from": d.current, "to": d.target, "reason": d.reason},
             "starts": self.pool.starts, "crashes": self.pool.crashes, "routed": dict(self.routed),
             "cold_start": self.pool.last_cold_start(),
+            "memory": None if self.spec.memory is None else {**self.spec.memory.model_dump(), "ingested": self.ingested},
             "sla": self.breaker.view() | {"fallback": self.spec.fallback, "fallbacks": self.fallbacks},
             "faults": self.faults.view() if self.faults.spec.inject else None,
             "spec": self.spec.model_dump(),
@@ -410,6 +417,8 @@ class Gateway:
     def __init__(self, data_dir: str | Path, *, tick_s: float = 1.0, zygote: bool = True,
                  prefetch: bool = True, prefetch_threshold: float = 0.85):
         self.data_dir = Path(data_dir)
+        # vector memory of the data directory (RAG units ingest into it; the HTTP layer serves it)
+        self.memory = MemoryStore(self.data_dir / "memory.db", lambda texts: shared_embedder().embed(texts).numpy())
         self.use_zygote = zygote
         self.prefetcher = Prefetcher(threshold=prefetch_threshold if prefetch else float("inf"))
         self.zygote: ZygoteClient | None = None
@@ -447,6 +456,14 @@ class Gateway:
     async def deploy(self, spec: UnitSpec, *, persist: bool = True) -> UnitBackend:
         old = self.units.get(spec.name)
         backend = await asyncio.to_thread(UnitBackend, spec, self)
+        if spec.memory is not None and spec.memory.ingest:
+            try:
+                backend.ingested = await asyncio.to_thread(ingest_dir, self.memory, spec.memory.set,
+                                                           spec.memory.ingest, spec.memory.chunk_chars)
+            except OSError as e:
+                raise InvalidRequestError(f"unit {spec.name}: memory.ingest: {e}", param="memory.ingest",
+                                          code="ingest_failed") from None
+            self.record(spec.name, "ingested", backend.ingested)
         if old is not None:
             await self.undeploy(spec.name, persist=False)
         self.units[spec.name] = backend
@@ -529,6 +546,7 @@ class Gateway:
         if self.zygote is not None:
             await self.zygote.shutdown()
         self.store.close()
+        self.memory.close()
 
     def status(self) -> dict:
         return {"units": [b.view() for b in self.units.values()], "events": list(self.events)[-50:]}

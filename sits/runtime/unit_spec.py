@@ -95,6 +95,13 @@ class ResourcesSpec(_Strict):
         return v
 
 
+class MemorySpec(_Strict):
+    set: str = Field(..., pattern=UNIT_NAME, description="the memory set its requests retrieve from")
+    ingest: str | None = Field(None, description="a folder of .md/.txt documents indexed at deploy (relative to the YAML)")
+    chunk_chars: int = Field(600, ge=50, le=20_000)
+    top_k: int = Field(4, ge=1, le=32, description="memories placed in front of each question")
+
+
 class UnitSpec(_Strict):
     name: str = Field(..., pattern=UNIT_NAME, description="lowercase letters, digits, '.', '_', '-'")
     model: str = Field(..., min_length=1, description="a local Hugging Face model directory")
@@ -109,6 +116,7 @@ class UnitSpec(_Strict):
     tool_dirs: dict[str, str] = Field(default_factory=dict,
                                       description="host directory behind each guest directory a tool declares")
     python_tools: bool = Field(False, description="allow tools with runtime: python (a subprocess, not a sandbox)")
+    memory: MemorySpec | None = Field(None, description="retrieval for every request (a RAG unit)")
 
     @field_validator("tools")
     @classmethod
@@ -283,6 +291,8 @@ def _resolve_models(units: list[UnitSpec], base: Path) -> None:
     for u in units:
         u.tool_dirs = {g: str((base / h).resolve()) if not os.path.isabs(os.path.expanduser(h)) else
                        os.path.expanduser(h) for g, h in u.tool_dirs.items()}
+        if u.memory is not None and u.memory.ingest and not os.path.isabs(os.path.expanduser(u.memory.ingest)):
+            u.memory.ingest = str((base / u.memory.ingest).resolve())
         if not os.path.isabs(os.path.expanduser(u.model)):
             u.model = str((base / u.model).resolve())
         else:

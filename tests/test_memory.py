@@ -1,0 +1,123 @@
+"""Vector memory: the MiniLM embedder against transformers, time slices, snapshots, causal chains,
+and memory_ref through the SITS dialect (retrieval and citations must be right even though the
+tiny model's text is not)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from sits.api.context import ServerSettings
+from sits.memory.embedder import default_model_dir, shared_embedder
+from sits.memory.vectors import MemoryNotFoundError, MemoryStore
+
+DOCS = ["The cat sleeps on the red sofa every afternoon.",
+        "Invoices are due on the first day of each month.",
+        "Paris is the capital and largest city of France.",
+        "The backup job runs at 2 am and keeps seven days of history."]
+
+
+def embed(texts):
+    return shared_embedder().embed(texts).numpy()
+
+
+def test_embedder_matches_transformers_bert():
+    from transformers import AutoTokenizer, BertModel
+    texts = ["A kitten naps on a couch.", "quarterly revenue", "x"]
+    ours = shared_embedder().embed(texts)
+    model = BertModel.from_pretrained(str(default_model_dir())).eval()
+    enc = AutoTokenizer.from_pretrained(str(default_model_dir()))(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        h = model(**enc).last_hidden_state
+    m = enc["attention_mask"][..., None].float()
+    ref = torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1)
+    assert (ours - ref).abs().max().item() < 1e-5
+    assert float(ours[0].numpy() @ embed(["The cat sleeps on the sofa."])[0]) > 0.5     # it is a real sentence model
+
+
+def test_time_slices_snapshots_and_chains(tmp_path):
+    m = MemoryStore(tmp_path / "memory.db", embed)
+    ids = m.add("kb", DOCS, [{"source": f"doc{i}.txt"} for i in range(4)], at=100.0)
+    assert m.search("kb", "where does the kitten nap?", k=1)[0].id == ids[0]
+    m.snapshot("kb", "v1", at=150.0)
+    assert m.forget("kb", ids[0], at=200.0) and not m.forget("kb", ids[0], at=201.0)
+    m.add("kb", ["The dog barks at the mail carrier."], at=210.0)
+    now = {h.text for h in m.list("kb")}
+    assert DOCS[0] not in now and "The dog barks at the mail carrier." in now
+    assert {h.text for h in m.list("kb", as_of=160.0)} == set(DOCS)               # as it was then
+    assert m.search("kb", "kitten", k=1, as_of=160.0)[0].id == ids[0]
+    assert m.list("kb", as_of=50.0) == []
+    changed = m.restore("kb", "v1", at=300.0)
+    assert len(changed["forgotten"]) == 1 and len(changed["restored"]) == 1
+    assert {h.text for h in m.list("kb")} == set(DOCS)
+    assert {h.text for h in m.list("kb", as_of=250.0)} == (set(DOCS) - {DOCS[0]}) | {"The dog barks at the mail carrier."}
+    with pytest.raises(MemoryNotFoundError):
+        m.restore("kb", "nope")
+    # chains: req_a reads the capital fact and writes an answer; req_b reads that answer
+    m.search("kb", "capital of France", k=1, response_id="req_a")
+    [answer] = m.add("kb", ["Q: capital? A: Paris"], response_id="req_a")
+    m.search("kb", "Q: capital? A: Paris", k=1, response_id="req_b")
+    b = m.chain("req_b")
+    assert b["retrieved"][0]["memory"] == f"m_{answer}" and b["influenced_by"] == ["req_a"]
+    a = m.chain(f"m_{ids[2]}")
+    assert [r["response"] for r in a["retrieved_by"]] == ["req_a"] and a["meta"] == {"source": "doc2.txt"}
+    assert m.chain(f"m_{answer}")["written_by"] == ["req_a"]
+
+
+@pytest.fixture(scope="module")
+def mem_server(serve_tiny, tmp_path_factory):
+    return serve_tiny(ServerSettings(drain_grace_s=0.5, data_dir=str(tmp_path_factory.mktemp("mem"))),
+                      engine_mode="thread")
+
+
+def finished(url, rid):
+    deadline = time.monotonic() + 30
+    while True:
+        v = httpx.get(f"{url}/v1/requests/{rid}").json()
+        if v["state"] in ("RESOLVED", "REJECTED") or time.monotonic() > deadline:
+            return v
+        time.sleep(0.05)
+
+
+def test_memory_over_http_and_memory_ref(mem_server):
+    url = mem_server.url
+    r = httpx.post(url + "/v1/memory/kb", json={"texts": DOCS, "metas": [{"source": f"doc{i}.txt"} for i in range(4)]})
+    assert r.status_code == 201
+    ids = r.json()["ids"]
+    hits = httpx.get(url + "/v1/memory/kb/search", params={"q": "When do I have to pay the bill?", "k": 2}).json()
+    assert hits["data"][0]["id"] == ids[1]
+    v = httpx.post(url + "/v1/requests", json={"prompt": "When does the backup run?", "memory_ref": "kb",
+                                              "remember": True, "constraints": {"max_tokens": 4}}).json()
+    v = finished(url, v["id"])
+    assert v["state"] == "RESOLVED", v
+    assert v["citations"][0]["id"] == ids[3] and v["citations"][0]["meta"] == {"source": "doc3.txt"}
+    assert len(v["citations"]) == 4 and v["memories_written"]
+    chain = httpx.get(f"{url}/v1/memory/{v['id']}/chain").json()
+    assert chain["retrieved"][0]["memory"] == ids[3] and chain["wrote"] == v["memories_written"]
+    back = httpx.get(f"{url}/v1/memory/{ids[3]}/chain").json()
+    assert v["id"] in [x["response"] for x in back["retrieved_by"]]
+    # time slices over HTTP
+    t = time.time()
+    assert httpx.post(url + "/v1/memory/kb/snapshots", json={"name": "before"}).status_code == 201
+    assert httpx.delete(f"{url}/v1/memory/kb/memories/{ids[0]}").json()["forgotten"] is True
+    now = [h["id"] for h in httpx.get(url + "/v1/memory/kb/memories").json()["data"]]
+    then = [h["id"] for h in httpx.get(url + "/v1/memory/kb/memories", params={"as_of": t}).json()["data"]]
+    assert ids[0] not in now and ids[0] in then
+    restored = httpx.post(url + "/v1/memory/kb/snapshots/before/restore").json()
+    assert restored["restored"] and len(httpx.get(url + "/v1/memory/kb/memories").json()["data"]) == len(then)
+    # a set that does not exist is a REJECTED memory_not_found, as before
+    v = finished(url, httpx.post(url + "/v1/requests", json={"prompt": "x", "memory_ref": "nothing-here"}).json()["id"])
+    assert v["state"] == "REJECTED" and v["error"]["code"] == "memory_not_found"
+    assert httpx.get(url + "/v1/memory").json()["data"][0]["set"] == "kb"
+
+
+def test_memory_needs_a_data_dir(serve_tiny):
+    srv = serve_tiny(ServerSettings(drain_grace_s=0.5), engine_mode="thread")
+    r = httpx.get(srv.url + "/v1/memory/kb/search", params={"q": "x"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "memory_disabled"
+    r = httpx.post(srv.url + "/v1/memory/Bad Name", json={"texts": ["x"]})
+    assert r.status_code in (400, 404)
