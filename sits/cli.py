@@ -282,6 +282,15 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 1 if any(lv["errors"] for lv in levels) else 0
 
 
+def cmd_bench_tracing(args: argparse.Namespace) -> int:
+    from sits.bench.tracing_bench import run_tracing_bench
+    r = run_tracing_bench(args.model, concurrency=[int(c) for c in args.concurrency.split(",")],
+                          repeats=args.repeats, rounds=args.rounds, json_out=args.json, docs_out=args.write_docs,
+                          engine=args.engine)
+    print(json.dumps(r["table"], indent=2))
+    return 0
+
+
 def cmd_bench_coldstart(args: argparse.Namespace) -> int:
     from sits.bench.coldstart_bench import run_coldstart_bench
     r = run_coldstart_bench(args.model, repeats=args.repeats, json_out=args.json, docs_out=args.write_docs,
@@ -393,6 +402,15 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--json", default=None)
     bc.add_argument("--write-docs", default=None)
     bc.set_defaults(func=cmd_bench_coldstart)
+    bt = bench.add_parser("tracing", help="served TTFT with spans off vs every span recorded (same run)")
+    bt.add_argument("--model", required=True)
+    bt.add_argument("--concurrency", default="1,8")
+    bt.add_argument("--repeats", type=int, default=2)
+    bt.add_argument("--rounds", type=int, default=2, help="off/on alternations")
+    bt.add_argument("--engine", default="process", choices=["process", "thread"])
+    bt.add_argument("--json", default=None)
+    bt.add_argument("--write-docs", default=None)
+    bt.set_defaults(func=cmd_bench_tracing)
     bp = bench.add_parser("prefetch", help="two-unit chain: TTFT of the second call with pre-warming on vs off")
     bp.add_argument("--model", required=True)
     bp.add_argument("--train", type=int, default=6)

@@ -61,3 +61,15 @@ def test_coldstart_bench_measures_naive_cold_and_warm(tiny_model_dir, tmp_path):
         assert data[key], key
     assert r["sits_cold_ms"] < r["naive_ms"] and "fork" in r["phases_ms"]
     assert coldstart_bench.DOC_BEGIN in docs.read_text()
+
+
+@pytest.mark.slow
+def test_tracing_bench_compares_off_and_on(tiny_model_dir, tmp_path):
+    from sits.bench.tracing_bench import DOC_BEGIN, run_tracing_bench
+    docs = tmp_path / "bench.md"
+    r = run_tracing_bench(tiny_model_dir, concurrency=[1], repeats=1, rounds=1, json_out=str(tmp_path / "t.json"),
+                          docs_out=str(docs), engine="thread")
+    [row] = r["table"]
+    assert row["ttft_p50_ms_off"] > 0 and row["ttft_p50_ms_on"] > 0 and row["ttft_ratio"] > 0
+    text = docs.read_text()
+    assert DOC_BEGIN in text and "| 1 |" in text and "sits bench tracing" in text

@@ -1,0 +1,68 @@
+"""What tracing costs a served request: ``sits serve`` with spans off (the default) vs every span
+recorded and kept in memory (``--trace-exporter memory``: the work of an exporter, without a
+network), the same workload against both in one run, TTFT and server overhead as ratios."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from sits.bench.common import log, start_sits, stop_sits, write_docs
+from sits.bench.serve_bench import sweep
+
+DOC_BEGIN = "<!-- sits bench tracing: begin -->"
+DOC_END = "<!-- sits bench tracing: end -->"
+MODES = {"off": ["--trace-exporter", "none"], "on": ["--trace-exporter", "memory"]}
+
+
+def run_tracing_bench(model_dir: str, *, concurrency: list[int], repeats: int, rounds: int = 2,
+                      json_out: str | None = None, docs_out: str | None = None, engine: str = "process") -> dict:
+    """``rounds`` alternations of off/on (so drift on a busy host hits both), medians over all runs."""
+    runs: dict[str, list[list[dict]]] = {m: [] for m in MODES}
+    for r in range(rounds):
+        for mode, args in MODES.items():
+            proc, url = start_sits(["serve", "--model", model_dir, "--engine", engine, *args])
+            try:
+                _, levels = sweep(url, None, concurrency, None, 48, 16, True, repeats, f"tracing {mode} #{r + 1}")
+                runs[mode].append(levels)
+            finally:
+                stop_sits(proc)
+    table = []
+    for i, c in enumerate(concurrency):
+        row = {"concurrency": c}
+        for mode in MODES:
+            vals = sorted(lv[i]["ttft_p50_ms"] for lv in runs[mode])
+            over = sorted(lv[i]["overhead_p50_ms"] for lv in runs[mode])
+            row[f"ttft_p50_ms_{mode}"] = vals[len(vals) // 2]
+            row[f"overhead_p50_ms_{mode}"] = over[len(over) // 2]
+        row["ttft_ratio"] = row["ttft_p50_ms_on"] / row["ttft_p50_ms_off"]
+        row["overhead_delta_ms"] = row["overhead_p50_ms_on"] - row["overhead_p50_ms_off"]
+        table.append(row)
+        log(f"{c} streams: TTFT p50 off {row['ttft_p50_ms_off']:.1f} ms, on {row['ttft_p50_ms_on']:.1f} ms "
+            f"(x{row['ttft_ratio']:.3f}); server overhead +{row['overhead_delta_ms']:.2f} ms")
+    result = {"model": model_dir, "engine": engine, "rounds": rounds, "repeats": repeats, "table": table,
+              "host": f"{os.cpu_count()} CPU cores, client and server on the same host"}
+    if json_out:
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_out).write_text(json.dumps(result, indent=2))
+    if docs_out:
+        write_docs(Path(docs_out), _markdown(result), DOC_BEGIN, DOC_END)
+    return result
+
+
+def _markdown(r: dict) -> str:
+    conc = ",".join(str(row["concurrency"]) for row in r["table"])
+    lines = [DOC_BEGIN, "## Tracing overhead (`sits bench tracing`)", "",
+             f"Command: `sits bench tracing --model {r['model']} --concurrency {conc} --repeats {r['repeats']} "
+             f"--rounds {r['rounds']} --write-docs docs/benchmarks.md`  ",
+             f"{r['host']}; engine mode {r['engine']}; chat completions, 48-word prompts, 16 tokens; off / on "
+             f"alternated {r['rounds']}x, medians of all runs. \"on\" records every span of every request "
+             "(all levels kept) into the in-memory exporter.", "",
+             "| streams | TTFT p50 off (ms) | TTFT p50 on (ms) | on / off | server overhead p50 off (ms) | on (ms) |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for row in r["table"]:
+        lines.append(f"| {row['concurrency']} | {row['ttft_p50_ms_off']:.1f} | {row['ttft_p50_ms_on']:.1f} | "
+                     f"{row['ttft_ratio']:.3f} | {row['overhead_p50_ms_off']:.2f} | {row['overhead_p50_ms_on']:.2f} |")
+    lines += ["", DOC_END]
+    return "\n".join(lines)
