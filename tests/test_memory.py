@@ -121,3 +121,40 @@ def test_memory_needs_a_data_dir(serve_tiny):
     assert r.status_code == 404 and r.json()["error"]["code"] == "memory_disabled"
     r = httpx.post(srv.url + "/v1/memory/Bad Name", json={"texts": ["x"]})
     assert r.status_code in (400, 404)
+
+
+def test_restore_is_idempotent_and_ingest_stays_in_its_folder(tmp_path):
+    import os
+
+    from sits.memory.ingest import ingest_dir
+    m = MemoryStore(tmp_path / "memory.db", embed)
+    [keep] = m.add("s", ["kept"], at=10.0)
+    m.snapshot("s", "v", at=20.0)
+    m.forget("s", keep, at=30.0)
+    first = m.restore("s", "v", at=40.0)
+    again = m.restore("s", "v", at=50.0)
+    assert len(first["restored"]) == 1 and again == {**again, "forgotten": [], "restored": []}
+    docs, other = tmp_path / "docs", tmp_path / "other"
+    docs.mkdir()
+    other.mkdir()
+    (docs / "a.md").write_text("alpha paragraph")
+    (tmp_path / "secret.txt").write_text("outside")
+    os.symlink(tmp_path / "secret.txt", docs / "link.txt")
+    (other / "b.md").write_text("beta paragraph")
+    assert ingest_dir(m, "kb", docs)["added"] == 1                       # the symlink out is skipped
+    assert ingest_dir(m, "kb", other)["forgotten"] == 0                  # another folder, same set
+    assert {h.text for h in m.list("kb")} == {"alpha paragraph", "beta paragraph"}
+
+
+@pytest.mark.parametrize("path", ["/v1/memory/m_%C2%B2/chain", "/v1/memory/m_99999999999999999999999/chain"])
+def test_odd_memory_ids_are_400(mem_server, path):
+    r = httpx.get(mem_server.url + path)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_memory_id"
+
+
+def test_non_finite_input_is_refused(mem_server):
+    r = httpx.post(mem_server.url + "/v1/memory/kb", content=b'{"texts": ["x"], "metas": [{"v": NaN}]}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    r = httpx.get(mem_server.url + "/v1/memory/kb/memories", params={"as_of": "nan"})
+    assert r.status_code == 400

@@ -70,3 +70,20 @@ def test_rag_unit_from_the_example(tiny_model_dir, tmp_path):
         assert again["added"] == again["forgotten"] == 1 and again["unchanged"] == ing["chunks"] - 1
     finally:
         srv.stop()
+
+
+def test_a_rag_unit_with_an_empty_set_still_answers(tiny_model_dir, tmp_path):
+    from sits.runtime.unit_spec import UnitSpec
+    (tmp_path / "empty").mkdir()
+    spec = UnitSpec.model_validate({"name": "bare", "model": tiny_model_dir,
+                                    "memory": {"set": "bare", "ingest": str(tmp_path / "empty")},
+                                    "resources": {"device": "cpu", "kv_cache_mb": 16, "max_model_len": 256,
+                                                  "warmup": False}})
+    srv, _ = start_gateway(tmp_path / "data", [spec])
+    try:
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"model": "bare", "max_tokens": 2,
+                                                               "messages": [{"role": "user", "content": "hi"}]},
+                       timeout=120)
+        assert r.status_code == 200 and "citations" not in r.json()
+    finally:
+        srv.stop()

@@ -204,3 +204,18 @@ def test_sessions_off_without_a_store(serve_tiny):
                                                            "messages": [{"role": "user", "content": "x"}]},
                    headers={"X-Session-ID": "abc"})
     assert r.status_code == 200 and "x-session-id" not in r.headers
+
+
+def test_a_trimmed_session_still_recognises_a_resent_history():
+    from sits.memory.sessions import Session
+    s = Session("t")
+    u = lambda c: {"role": "user", "content": c}      # noqa: E731
+    a = lambda c: {"role": "assistant", "content": c}  # noqa: E731
+    sent = [{"role": "system", "content": "be brief"}]
+    for i in range(4):                                  # the client always resends everything
+        sent = sent + [u(f"q{i}")]
+        full, new = with_history(s.messages, sent)
+        assert full == sent                             # never doubled, even once the store trimmed
+        s.apply(new + [a(f"a{i}")], unit=None, instance=None, memory_refs=None, max_messages=5)
+        sent = sent + [a(f"a{i}")]
+    assert s.messages[0]["role"] == "system" and len(s.messages) == 5     # the system prompt is kept

@@ -142,3 +142,32 @@ def test_python_tools_need_an_opt_in_and_keep_the_timeout(registry):
     with pytest.raises(ToolError) as e:
         run_tool(registry.resolve("test.py-slow"), {}, python_allowed=True)
     assert e.value.code == "tool_timeout" and time.monotonic() - t0 < 5
+
+
+def test_limits_cover_the_start_function_tables_and_extra_memories(registry):
+    t0 = time.monotonic()
+    with pytest.raises(ToolError) as e:
+        run_tool(registry.resolve("test.start-loop"), {})
+    assert e.value.code == "tool_timeout" and time.monotonic() - t0 < 3
+    for ref in ("test.big-table", "test.two-memories"):
+        with pytest.raises(ToolError) as e:
+            run_tool(registry.resolve(ref), {})
+        assert e.value.code in ("tool_trap", "tool_misconfigured"), (ref, e.value.code)
+
+
+def test_one_calls_deadline_does_not_interrupt_another(registry):
+    import concurrent.futures
+    slow = registry.resolve("test.spin").model_copy(update={"timeout_ms": 1500})
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        long_run = pool.submit(lambda: _elapsed(lambda: run_tool(slow, {})))
+        time.sleep(0.05)
+        short = _elapsed(lambda: run_tool(registry.resolve("test.spin"), {}))       # 300 ms
+        long_s = long_run.result()
+    assert short < 1.2 and long_s >= 1.4, (short, long_s)
+
+
+def _elapsed(call) -> float:
+    t0 = time.monotonic()
+    with pytest.raises(ToolError):
+        call()
+    return time.monotonic() - t0

@@ -4,6 +4,8 @@ restore, and the causal chain of a memory or a response. Embedding runs off the 
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 from typing import Any
 
 from fastapi import APIRouter, Path, Query, Request
@@ -12,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sits.api.context import context_of
 from sits.api.errors import ErrorResponse
+from sits.engine.errors import InvalidRequestError
 from sits.memory.vectors import SET_NAME, MemoryNotFoundError, MemoryStore, memory_id
 
 router = APIRouter(tags=["memory"])
@@ -34,12 +37,24 @@ class MemoryWrite(BaseModel):
             raise ValueError("each text is 1 to 100000 characters")
         if self.metas is not None and len(self.metas) != len(self.texts):
             raise ValueError("metas, when given, has one object per text")
+        if self.metas is not None:
+            try:
+                json.dumps(self.metas, allow_nan=False)
+            except ValueError:
+                raise ValueError("metas must be plain JSON (no NaN or Infinity)") from None
         return self
 
 
 class SnapshotRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(..., pattern=SET_NAME)
+
+
+def _finite(as_of: float | None) -> float | None:
+    if as_of is not None and not math.isfinite(as_of):
+        raise InvalidRequestError("as_of is a unix time in seconds (a finite number)", param="as_of",
+                                  code="invalid_parameter")
+    return as_of
 
 
 def store_of(request: Request) -> MemoryStore:
@@ -63,14 +78,14 @@ async def write(body: MemoryWrite, request: Request, set_name: str = SetName) ->
 @router.get("/v1/memory/{set_name}/memories", responses=ERRORS)
 async def list_memories(request: Request, set_name: str = SetName,
                         as_of: float | None = Query(None, description="unix time: the set as it was then")) -> dict:
-    hits = await asyncio.to_thread(store_of(request).list, set_name, as_of=as_of)
+    hits = await asyncio.to_thread(store_of(request).list, set_name, as_of=_finite(as_of))
     return {"object": "list", "set": set_name, "as_of": as_of, "data": [h.to_dict() for h in hits]}
 
 
 @router.get("/v1/memory/{set_name}/search", responses=ERRORS)
 async def search(request: Request, set_name: str = SetName, q: str = Query(..., min_length=1, max_length=10_000),
                  k: int = Query(4, ge=1, le=100), as_of: float | None = Query(None)) -> dict:
-    hits = await asyncio.to_thread(store_of(request).search, set_name, q, k, as_of=as_of)
+    hits = await asyncio.to_thread(store_of(request).search, set_name, q, k, as_of=_finite(as_of))
     return {"object": "list", "set": set_name, "query": q, "as_of": as_of, "data": [h.to_dict() for h in hits]}
 
 

@@ -25,7 +25,7 @@ from sits.api.generation import ChoiceResult, Generation
 from sits.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                CompletionResponse, ModelCard, ModelList)
 from sits.api.session_routes import SessionTurn
-from sits.api.sits_routes import recall
+from sits.api.sits_routes import recall, with_context
 from sits.api.sse import SSE_DONE, ClientDisconnected, SSEResponse, sse_data, until_disconnect
 from sits.engine.errors import ContextLengthExceededError, InvalidRequestError, SitsError
 from sits.engine.llm_engine import TokenEvent
@@ -195,9 +195,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     citations: list[dict] = []
     if (set_name := getattr(backend, "memory_set", None)) is not None:     # a RAG unit: retrieved context first
         question = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
-        citations = await recall(ctx, set_name, question, f"chatcmpl-{rid}", backend.memory_top_k)
-        context = "\n".join(f"[{c['id']}] {c['text']}" for c in citations)
-        messages = [{"role": "system", "content": f"Answer from this context, citing the ids:\n{context}"}] + messages
+        citations, context = await recall(ctx, set_name, question, f"chatcmpl-{rid}", backend.memory_top_k,
+                                          required=False)
+        if context:
+            messages = with_context(messages, context)
     ids = chat_prompt_ids(messages, backend, body.add_generation_prompt)
     max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens(backend, len(ids))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

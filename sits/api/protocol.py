@@ -197,7 +197,8 @@ class SitsRequest(_Request):
     unit: str | None = Field(None, min_length=1, description="the unit (served model); default: the only one")
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    memory_ref: str | None = Field(None, min_length=1, max_length=256)
+    memory_ref: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$",
+                                   description="a memory set: its closest memories go in front of the question")
     allowed_tools: list[Annotated[str, StringConstraints(min_length=1, max_length=128)]] | None = Field(
         None, max_length=64, description='tool contracts with semver constraints, e.g. "file.read@^1.2"')
     constraints: Constraints = Field(default_factory=Constraints)

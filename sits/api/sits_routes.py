@@ -165,16 +165,16 @@ async def _validate(ctx: ServerContext, body: SitsRequest, turn: SessionTurn | N
     if body.messages is not None:
         question = next((m.text() for m in reversed(body.messages) if m.role == "user"), body.messages[-1].text())
     set_name = body.memory_ref or getattr(backend, "memory_set", None)     # a RAG unit retrieves by itself
-    citations = (await recall(ctx, set_name, question, rid, getattr(backend, "memory_top_k", MEMORY_TOP_K))
-                 if set_name is not None else [])
-    context = "\n".join(f"[{c['id']}] {c['text']}" for c in citations)
+    citations, context = (await recall(ctx, set_name, question, rid, getattr(backend, "memory_top_k", MEMORY_TOP_K),
+                                       required=body.memory_ref is not None)
+                          if set_name is not None else ([], ""))
     if body.messages is not None or turn is not None:
         messages = ([{"role": m.role, "content": m.text()} for m in body.messages] if body.messages is not None
                     else [{"role": "user", "content": body.prompt or ""}])
         if turn is not None:
             messages = await turn.conversation(messages)
         if context:
-            messages = [{"role": "system", "content": f"Answer from this context, citing the ids:\n{context}"}] + messages
+            messages = with_context(messages, context)
         if len(messages) > backend.max_model_len:
             raise InvalidRequestError(f"{len(messages)} messages cannot fit in this unit's {backend.max_model_len} "
                                       "tokens", param="messages", code="context_length_exceeded")
@@ -185,17 +185,32 @@ async def _validate(ctx: ServerContext, body: SitsRequest, turn: SessionTurn | N
     return backend, prompt, _sampling(body, body.constraints.max_tokens), citations
 
 
-async def recall(ctx: ServerContext, set_name: str, question: str, rid: str, k: int = MEMORY_TOP_K) -> list[dict]:
-    """The set's ``k`` closest memories to ``question`` as citations, recorded as retrieved by ``rid``."""
+def with_context(messages: list[dict], context: str) -> list[dict]:
+    """The retrieved context joins the conversation's system prompt (one system message, first: some
+    chat templates accept no other)."""
+    note = f"Answer from this context, citing the ids:\n{context}"
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{note}"}] + messages[1:]
+    return [{"role": "system", "content": note}] + messages
+
+
+async def recall(ctx: ServerContext, set_name: str, question: str, rid: str, k: int = MEMORY_TOP_K, *,
+                 required: bool = True) -> tuple[list[dict], str]:
+    """(citations, the context text for the prompt): the set's ``k`` closest memories to ``question``,
+    recorded as retrieved by ``rid``. ``required``: an empty or unknown set is an error (an explicit
+    memory_ref), else the request goes on without context (a RAG unit whose set is empty)."""
     store = ctx.memory
     if store is None:
         raise InvalidRequestError(f"no memory set {clip(set_name)} exists (this server keeps no memory)",
                                   param="memory_ref", code="memory_not_found")
     hits = await asyncio.to_thread(store.search, set_name, question, k, response_id=rid)
     if not hits:
+        if not required:
+            return [], ""
         raise InvalidRequestError(f"no memory set {clip(set_name)} exists (or it holds nothing now)",
                                   param="memory_ref", code="memory_not_found")
-    return [{"id": f"m_{h.id}", "score": round(h.score, 4), "text": h.text[:500], "meta": h.meta} for h in hits]
+    citations = [{"id": f"m_{h.id}", "score": round(h.score, 4), "text": h.text[:500], "meta": h.meta} for h in hits]
+    return citations, "\n".join(f"[m_{h.id}] {h.text}" for h in hits)     # the model reads whole chunks
 
 
 async def _execute(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest, t0: float) -> None:
@@ -267,6 +282,8 @@ async def _run_request(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest
         log.exception("request %s failed", tr.id)
         _finish_timings(tr, gen)
         lc.reject("internal_error", f"internal error: {type(e).__name__}")
+
+
 
 
 def _last_user(body: SitsRequest) -> str:

@@ -54,10 +54,21 @@ class MiniLMEmbedder:
     def _lin(self, x, name):
         return F.linear(x, self.w[f"{name}.weight"], self.w[f"{name}.bias"])
 
-    @torch.inference_mode()
+    BATCH = 32
+
     def embed(self, texts: list[str]) -> torch.Tensor:
+        """Batches of ``BATCH`` texts of similar length (bounded memory, little padding)."""
         if not texts:
             return torch.zeros(0, self.dim)
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        out = torch.empty(len(texts), self.dim)
+        for s in range(0, len(order), self.BATCH):
+            idx = order[s:s + self.BATCH]
+            out[idx] = self._embed_batch([texts[i] for i in idx])
+        return out
+
+    @torch.inference_mode()
+    def _embed_batch(self, texts: list[str]) -> torch.Tensor:
         enc = self.tokenizer.encode_batch(texts)
         ids = torch.tensor([e.ids for e in enc])
         mask = torch.tensor([e.attention_mask for e in enc])

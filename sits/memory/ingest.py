@@ -35,16 +35,20 @@ def chunks(text: str, chunk_chars: int) -> list[str]:
 
 
 def ingest_dir(store: MemoryStore, set_name: str, root: str | Path, chunk_chars: int = 600) -> dict:
-    root = Path(root)
+    root = Path(root).resolve()
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory")
     wanted: dict[str, dict] = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES):
+        if not path.resolve().is_relative_to(root):      # a symlink out of the folder is not the folder's
+            continue
         rel = str(path.relative_to(root))
         for i, c in enumerate(chunks(path.read_text(encoding="utf-8", errors="replace"), chunk_chars)):
             sha = hashlib.sha256(c.encode()).hexdigest()[:16]
-            wanted[f"{rel}#{sha}"] = {"text": c, "meta": {"source": rel, "chunk": i, "sha": sha}}
-    have = {f"{h.meta.get('source')}#{h.meta.get('sha')}": h for h in store.list(set_name) if "sha" in h.meta}
+            wanted[f"{rel}#{sha}"] = {"text": c, "meta": {"source": rel, "chunk": i, "sha": sha, "root": str(root)}}
+    # only this folder's chunks can go stale (another unit may ingest another folder into the same set)
+    have = {f"{h.meta.get('source')}#{h.meta.get('sha')}": h for h in store.list(set_name)
+            if "sha" in h.meta and h.meta.get("root") == str(root)}
     stale = [h for key, h in have.items() if key not in wanted]
     for h in stale:
         store.forget(set_name, h.id)

@@ -47,8 +47,9 @@ class Session:
     def apply(self, new_messages: list[dict], *, unit: str | None, instance: str | None,
               memory_refs: list[str] | None, max_messages: int) -> None:
         self.messages.extend(new_messages)
-        if len(self.messages) > max_messages:
-            del self.messages[:len(self.messages) - max_messages]
+        if len(self.messages) > max_messages:       # the oldest turns go; a leading system prompt stays
+            keep = 1 if self.messages and self.messages[0].get("role") == "system" else 0
+            del self.messages[keep:keep + len(self.messages) - max_messages]
         self.unit = unit or self.unit
         self.instance = instance or self.instance
         for ref in memory_refs or []:
@@ -59,9 +60,19 @@ class Session:
 
 
 def with_history(history: list[dict], messages: list[dict]) -> tuple[list[dict], list[dict]]:
-    """(the conversation to run, the new messages it adds to the session)."""
-    if history and messages[:len(history)] == history:
-        return messages, messages[len(history):]       # the client sent the whole history
+    """(the conversation to run, the new messages it adds to the session).
+
+    A client that resends its history (as OpenAI clients do) is recognised wherever the stored
+    history sits in what it sent (the store may have trimmed older turns the client still sends);
+    otherwise the stored history goes in front of the new turns."""
+    runs = [history]
+    if len(history) > 1 and history[0].get("role") == "system" and messages[:1] == history[:1]:
+        runs.append(history[1:])         # trimming keeps the system prompt and drops the turns after it
+    for run in runs:
+        n = len(run)
+        for j in range(len(messages) - n, -1, -1) if n else ():   # the latest place it fits
+            if messages[j:j + n] == run:
+                return messages, messages[j + n:]
     return history + messages, messages
 
 

@@ -17,6 +17,7 @@ SQLite (``<data-dir>/memory.db``); search is exact cosine similarity over the se
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import threading
 import time
@@ -51,8 +52,9 @@ class Hit:
 def memory_id(text_id: str | int) -> int:
     s = str(text_id)
     s = s[2:] if s.startswith("m_") else s
-    if not s.isdigit():
-        raise InvalidRequestError(f"{text_id!r} is not a memory id (m_<number>)", param="id", code="invalid_memory_id")
+    if not re.fullmatch(r"[0-9]{1,18}", s):
+        raise InvalidRequestError(f"{str(text_id)[:40]!r} is not a memory id (m_<number>)", param="id",
+                                  code="invalid_memory_id")
     return int(s)
 
 
@@ -179,9 +181,13 @@ class MemoryStore:
                                           code="snapshot_not_found")
             then = {r[0]: r for r in self._alive(set_name, row[0])}
             current = {r[0]: r for r in self._alive(set_name, now)}
+            for mid, r in list(current.items()):       # a copy made by an earlier restore stands for its original
+                origin = json.loads(r[4]).get("restored_from")
+                if origin and memory_id(origin) in then and memory_id(origin) not in current:
+                    current[memory_id(origin)] = current.pop(mid) + (mid,)
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                gone = [mid for mid in current if mid not in then]
+                gone = [r[5] if len(r) > 5 else mid for mid, r in current.items() if mid not in then]
                 for mid in gone:
                     self._db.execute("UPDATE memories SET deleted_at = ? WHERE id = ?", (now, mid))
                 back = []

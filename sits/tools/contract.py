@@ -41,7 +41,8 @@ class ToolError(Exception):
 
 class Quotas(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    fuel: int = Field(100_000_000, ge=1_000, description="wasm instructions (roughly) the call may execute")
+    fuel: int = Field(100_000_000, ge=1_000, le=100_000_000_000,
+                      description="wasm instructions (roughly) the call may execute")
     memory_mb: int = Field(16, ge=1, le=4096, description="linear memory the module may grow to")
 
 

@@ -8,8 +8,13 @@ gets its arguments as argv and, in the environment, ``SITS_TRACE_ID`` and its re
 (``SITS_FUEL``, ``SITS_TIMEOUT_MS``, ``SITS_MEMORY_MB``). Stdout is the result, stderr the
 explanation of a failure (exit status non-zero).
 
-Python tools run only where a unit opts in (``python_tools: true``), in a subprocess killed at the
-same timeout.
+Python tools run only where a unit opts in (``python_tools: true``), in a subprocess (its own
+session, killed with everything it started at the same timeout). That is not a sandbox: it runs
+as the server's user and can read what that user can, the server's environment included.
+
+Known limit: the deadline is checked in wasm code, not inside a WASI host call, so a module that
+sleeps in ``poll_oneoff`` or reads a FIFO holds its thread past ``timeout_ms``; running each call
+in a child process killed at the deadline is the next step before tools run on the serving path.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from __future__ import annotations
 import atexit
 import functools
 import json
+import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +36,7 @@ from pathlib import Path
 from sits.tools.contract import ToolContract, ToolError
 
 MAX_OUTPUT_BYTES = 1 << 20
+MAX_TABLE_ELEMENTS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,20 +70,38 @@ def _argv(contract: ToolContract, args: dict) -> list[str]:
     return out
 
 
+EPOCH_TICK_S = 0.01          # one engine-wide epoch tick; a call's deadline is a number of ticks
+_engine_lock = threading.Lock()
+
+
 @functools.lru_cache(maxsize=1)
 def _engine():
+    """One engine for all calls (modules compile once), with one ticker thread: each store's deadline
+    is its own number of ticks from now, so one call's timeout never interrupts another's."""
     import wasmtime
-    cfg = wasmtime.Config()
-    cfg.consume_fuel = True
-    cfg.epoch_interruption = True
-    return wasmtime.Engine(cfg)
+    with _engine_lock:
+        cfg = wasmtime.Config()
+        cfg.consume_fuel = True
+        cfg.epoch_interruption = True
+        cfg.wasm_multi_memory = False        # one linear memory, so memory_mb bounds it all
+        engine = wasmtime.Engine(cfg)
+
+        def tick():
+            while True:
+                time.sleep(EPOCH_TICK_S)
+                engine.increment_epoch()
+
+        threading.Thread(target=tick, name="sits-wasm-epoch", daemon=True).start()
+        return engine
 
 
 @functools.lru_cache(maxsize=64)
 def _module(path: str, mtime: float):
     import wasmtime
     src = Path(path)
-    return wasmtime.Module(_engine(), src.read_text() if src.suffix == ".wat" else src.read_bytes())
+    engine = _engine()
+    with _engine_lock:
+        return wasmtime.Module(engine, src.read_text() if src.suffix == ".wat" else src.read_bytes())
 
 
 # freed before the interpreter tears wasmtime's FFI down (else every cached object complains at exit)
@@ -103,13 +129,18 @@ def run_wasm(contract: ToolContract, args: dict, dirs: dict[str, str], *, trace_
     args = {k: (_guest_relative(v, [g for g, _ in mounts]) if isinstance(v, str) and k in contract.argv else v)
             for k, v in args.items()}
     path = contract.module_path()
-    module = _module(str(path), path.stat().st_mtime)
+    try:
+        module = _module(str(path), path.stat().st_mtime)
+    except (OSError, wasmtime.WasmtimeError) as e:
+        raise ToolError("tool_misconfigured", f"{contract.ref}: its module cannot be loaded: "
+                                              f"{str(e).splitlines()[0]}") from None
     engine = _engine()
     store = wasmtime.Store(engine)
     q = contract.quotas
     store.set_fuel(q.fuel)
-    store.set_limits(memory_size=q.memory_mb << 20)
-    store.set_epoch_deadline(1)
+    # one memory of at most memory_mb, one small table, one instance: nothing else can grow
+    store.set_limits(memory_size=q.memory_mb << 20, memories=1, tables=1, table_elements=MAX_TABLE_ELEMENTS,
+                     instances=1)
     with tempfile.TemporaryDirectory(prefix="sits-tool-") as tmp:
         wasi = wasmtime.WasiConfig()
         wasi.argv = _argv(contract, args)
@@ -125,15 +156,15 @@ def run_wasm(contract: ToolContract, args: dict, dirs: dict[str, str], *, trace_
         store.set_wasi(wasi)
         linker = wasmtime.Linker(engine)
         linker.define_wasi()
-        deadline = threading.Timer(contract.timeout_ms / 1e3, engine.increment_epoch)
         t0 = time.monotonic()
         code = 0
+        # the deadline covers instantiation too (a module's start function runs there)
+        store.set_epoch_deadline(max(1, math.ceil(contract.timeout_ms / 1e3 / EPOCH_TICK_S)))
         try:
             instance = linker.instantiate(store, module)
             start = instance.exports(store).get("_start")
             if start is None:
                 raise ToolError("tool_misconfigured", f"{contract.ref}: the module exports no _start")
-            deadline.start()
             start(store)
         except wasmtime.ExitTrap as e:
             code = e.code
@@ -141,12 +172,14 @@ def run_wasm(contract: ToolContract, args: dict, dirs: dict[str, str], *, trace_
             raise _trap_error(contract, e, store) from None
         except wasmtime.WasmtimeError as e:
             raise ToolError("tool_trap", f"{contract.ref} failed: {str(e).splitlines()[0]}") from None
-        finally:
-            deadline.cancel()
         elapsed = (time.monotonic() - t0) * 1e3
         fuel_used = q.fuel - store.get_fuel()
-        stdout = Path(out).read_bytes()[:MAX_OUTPUT_BYTES].decode("utf-8", "replace")
-        stderr = Path(err).read_bytes()[:4096].decode("utf-8", "replace").strip()
+        if os.path.getsize(out) > MAX_OUTPUT_BYTES:
+            raise ToolError("tool_output_too_large", f"{contract.ref} wrote more than {MAX_OUTPUT_BYTES} bytes")
+        with open(out, "rb") as f:
+            stdout = f.read(MAX_OUTPUT_BYTES).decode("utf-8", "replace")
+        with open(err, "rb") as f:
+            stderr = f.read(4096).decode("utf-8", "replace").strip()
     if code != 0:
         raise ToolError("tool_failed", f"{contract.ref} exited with status {code}: {stderr or '(no message)'}")
     return ToolResult(contract.ref, stdout, elapsed, fuel_used)
@@ -175,15 +208,26 @@ def run_python(contract: ToolContract, args: dict, *, trace_id: str | None = Non
             "sys.stdout.write(r if isinstance(r, str) else json.dumps(r))\n")
     env = {"PATH": os.environ.get("PATH", ""), "SITS_TRACE_ID": trace_id or ""}   # nothing else inherited
     t0 = time.monotonic()
-    try:
-        p = subprocess.run([sys.executable, "-I", "-c", code], input=json.dumps(args), capture_output=True, text=True,
-                           timeout=contract.timeout_ms / 1e3, env=env, cwd=contract.source_dir or None)
-    except subprocess.TimeoutExpired:
-        raise ToolError("tool_timeout", f"{contract.ref} ran past its timeout of {contract.timeout_ms} ms") from None
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        # its own session: a timeout kills the tool and everything it started
+        p = subprocess.Popen([sys.executable, "-I", "-c", code], stdin=subprocess.PIPE, stdout=out, stderr=err,
+                             env=env, cwd=contract.source_dir or None, start_new_session=True)
+        try:
+            p.communicate(json.dumps(args).encode(), timeout=contract.timeout_ms / 1e3)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            raise ToolError("tool_timeout", f"{contract.ref} ran past its timeout of {contract.timeout_ms} ms") from None
+        out.seek(0)
+        err.seek(0)
+        stdout = out.read(MAX_OUTPUT_BYTES + 1)
+        stderr = err.read(4096).decode("utf-8", "replace")
     if p.returncode != 0:
         raise ToolError("tool_failed", f"{contract.ref} exited with status {p.returncode}: "
-                                       f"{(p.stderr or '').strip().splitlines()[-1:] or ['(no message)']}")
-    return ToolResult(contract.ref, p.stdout[:MAX_OUTPUT_BYTES], (time.monotonic() - t0) * 1e3)
+                                       f"{stderr.strip().splitlines()[-1:] or ['(no message)']}")
+    if len(stdout) > MAX_OUTPUT_BYTES:
+        raise ToolError("tool_output_too_large", f"{contract.ref} wrote more than {MAX_OUTPUT_BYTES} bytes")
+    return ToolResult(contract.ref, stdout.decode("utf-8", "replace"), (time.monotonic() - t0) * 1e3)
 
 
 def run_tool(contract: ToolContract, args: dict, *, dirs: dict[str, str] | None = None, trace_id: str | None = None,

@@ -53,17 +53,18 @@ def _bounds(term: str) -> tuple[Version | None, Version | None, bool]:
         return None, None, True
     for op in (">=", "<=", ">", "<", "="):
         if term.startswith(op):
-            major, minor, patch = _partial(term[len(op):])      # ">=1.0" means ">=1.0.0"
-            v = Version(major, minor or 0, patch or 0)
+            # a partial version is the range it names (npm): "1.2" is [1.2.0, 1.3.0), so "<=1.2"
+            # admits 1.2.5 and ">1.2" starts at 1.3.0
+            low, high, _ = _bounds(term[len(op):])
             if op == ">=":
-                return v, None, True
+                return low, None, True
             if op == ">":
-                return v, None, False
+                return high, None, True
             if op == "<":
-                return None, v, True
+                return None, low, True
             if op == "<=":
-                return None, Version(v.major, v.minor, v.patch + 1), True
-            return v, Version(v.major, v.minor, v.patch + 1), True
+                return None, high, True
+            return low, high, True
     if term[0] in "^~":
         major, minor, patch = _partial(term[1:])
         low = Version(major, minor or 0, patch or 0)
