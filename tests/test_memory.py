@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 
 import httpx
-import numpy as np
 import pytest
 import torch
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 import httpx
@@ -11,7 +10,6 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import Status, StatusCode
 
 from sits.api.context import ServerSettings
 from sits.observe import genai

@@ -13,7 +13,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -32,6 +31,7 @@ from sits.observe.otel_metrics import GenAiMetrics
 from sits.observe.tracing import Tracing
 from sits.engine.errors import SitsError
 from sits.memory.sessions import open_session_store
+from sits.memory.vectors import open_memory_store
 from sits.tools import ToolRegistry
 
 log = logging.getLogger("sits.api")
@@ -55,7 +55,9 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
                             otel=GenAiMetrics(settings.otel_metrics))
     ctx = ServerContext(registry=registry, metrics=metrics, settings=settings, tracing=tracing,
                         sessions=open_session_store(settings.session_store, settings.data_dir),
-                        tools=ToolRegistry(list(settings.tool_dirs)), memory=memory if memory is not None else _memory_store(settings))
+                        tools=ToolRegistry(list(settings.tool_dirs)),
+                        memory=memory if memory is not None or settings.data_dir is None
+                        else open_memory_store(settings.data_dir))
     ctx.store = RequestStore(retention_s=settings.request_retention_s, max_finished=settings.max_retained_requests,
                              max_pending=settings.max_pending_requests)
 
@@ -124,15 +126,6 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
                        body_timeout_s=lambda: settings.body_timeout_s, tracing=lambda: ctx.tracing)
     app.openapi = lambda: _openapi(app)
     return app
-
-
-def _memory_store(settings: ServerSettings):
-    """Vector memory lives in the data directory; the embedding model loads on first use."""
-    if settings.data_dir is None:
-        return None
-    from sits.memory.embedder import shared_embedder
-    from sits.memory.vectors import MemoryStore
-    return MemoryStore(Path(settings.data_dir) / "memory.db", lambda texts: shared_embedder().embed(texts).numpy())
 
 
 async def drain(app: FastAPI, grace_s: float) -> int:

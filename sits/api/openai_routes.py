@@ -24,8 +24,8 @@ from sits.api.errors import ErrorResponse, error_response, sits_error_as_dict
 from sits.api.generation import ChoiceResult, Generation
 from sits.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                CompletionResponse, ModelCard, ModelList)
+from sits.api.retrieval import last_user_text, recall, with_context
 from sits.api.session_routes import SessionTurn
-from sits.api.sits_routes import recall, with_context
 from sits.api.sse import SSE_DONE, ClientDisconnected, SSEResponse, sse_data, until_disconnect
 from sits.engine.errors import ContextLengthExceededError, InvalidRequestError, SitsError
 from sits.engine.llm_engine import TokenEvent
@@ -194,9 +194,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     rid = new_request_id()
     citations: list[dict] = []
     if (set_name := getattr(backend, "memory_set", None)) is not None:     # a RAG unit: retrieved context first
-        question = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
-        citations, context = await recall(ctx, set_name, question, f"chatcmpl-{rid}", backend.memory_top_k,
-                                          required=False)
+        citations, context = await recall(ctx, set_name, last_user_text(messages), f"chatcmpl-{rid}",
+                                          backend.memory_top_k, required=False)
         if context:
             messages = with_context(messages, context)
     ids = chat_prompt_ids(messages, backend, body.add_generation_prompt)

@@ -22,6 +22,7 @@ from sits.api.generation import Generation
 from sits.api.lifecycle import RequestState
 from sits.api.protocol import SitsRequest, SitsRequestView
 from sits.api.request_store import RequestStore, TrackedRequest
+from sits.api.retrieval import MEMORY_TOP_K, last_user_text, recall, with_context
 from sits.api.session_routes import SessionTurn
 from sits.api.sse import SSE_KEEPALIVE, SSEResponse, sse_event
 from sits.api.webhooks import WebhookDispatcher, validate_callback_url
@@ -139,8 +140,6 @@ def _sampling(body: SitsRequest, max_tokens: int) -> SamplingParams:
                           top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=stop)
 
 
-MEMORY_TOP_K = 4
-
 
 async def _validate(ctx: ServerContext, body: SitsRequest, turn: SessionTurn | None, rid: str):
     """VALIDATING: unit, tools, memory, context. Raises SitsError (-> REJECTED with its code).
@@ -161,13 +160,12 @@ async def _validate(ctx: ServerContext, body: SitsRequest, turn: SessionTurn | N
         except ToolError as e:
             raise InvalidRequestError(f"unit {backend.name!r}: {e.message}", param="allowed_tools",
                                       code=e.code) from None
-    question = body.prompt or ""
-    if body.messages is not None:
-        question = next((m.text() for m in reversed(body.messages) if m.role == "user"), body.messages[-1].text())
     set_name = body.memory_ref or getattr(backend, "memory_set", None)     # a RAG unit retrieves by itself
-    citations, context = (await recall(ctx, set_name, question, rid, getattr(backend, "memory_top_k", MEMORY_TOP_K),
-                                       required=body.memory_ref is not None)
-                          if set_name is not None else ([], ""))
+    citations, context = [], ""
+    if set_name is not None:
+        citations, context = await recall(ctx, set_name, _question(body), rid,
+                                          getattr(backend, "memory_top_k", MEMORY_TOP_K),
+                                          required=body.memory_ref is not None)
     if body.messages is not None or turn is not None:
         messages = ([{"role": m.role, "content": m.text()} for m in body.messages] if body.messages is not None
                     else [{"role": "user", "content": body.prompt or ""}])
@@ -183,34 +181,6 @@ async def _validate(ctx: ServerContext, body: SitsRequest, turn: SessionTurn | N
     else:
         prompt = (f"Context:\n{context}\n\nQuestion: {body.prompt}\nAnswer:" if context else body.prompt) or ""
     return backend, prompt, _sampling(body, body.constraints.max_tokens), citations
-
-
-def with_context(messages: list[dict], context: str) -> list[dict]:
-    """The retrieved context joins the conversation's system prompt (one system message, first: some
-    chat templates accept no other)."""
-    note = f"Answer from this context, citing the ids:\n{context}"
-    if messages and messages[0].get("role") == "system":
-        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{note}"}] + messages[1:]
-    return [{"role": "system", "content": note}] + messages
-
-
-async def recall(ctx: ServerContext, set_name: str, question: str, rid: str, k: int = MEMORY_TOP_K, *,
-                 required: bool = True) -> tuple[list[dict], str]:
-    """(citations, the context text for the prompt): the set's ``k`` closest memories to ``question``,
-    recorded as retrieved by ``rid``. ``required``: an empty or unknown set is an error (an explicit
-    memory_ref), else the request goes on without context (a RAG unit whose set is empty)."""
-    store = ctx.memory
-    if store is None:
-        raise InvalidRequestError(f"no memory set {clip(set_name)} exists (this server keeps no memory)",
-                                  param="memory_ref", code="memory_not_found")
-    hits = await asyncio.to_thread(store.search, set_name, question, k, response_id=rid)
-    if not hits:
-        if not required:
-            return [], ""
-        raise InvalidRequestError(f"no memory set {clip(set_name)} exists (or it holds nothing now)",
-                                  param="memory_ref", code="memory_not_found")
-    citations = [{"id": f"m_{h.id}", "score": round(h.score, 4), "text": h.text[:500], "meta": h.meta} for h in hits]
-    return citations, "\n".join(f"[m_{h.id}] {h.text}" for h in hits)     # the model reads whole chunks
 
 
 async def _execute(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest, t0: float) -> None:
@@ -259,7 +229,7 @@ async def _run_request(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest
                                     memory_refs=[body.memory_ref] if body.memory_ref else None)
             if body.remember and (body.memory_ref or getattr(backend, "memory_set", None)) and ctx.memory is not None:
                 written = await asyncio.to_thread(
-                    ctx.memory.add, body.memory_ref or backend.memory_set, [f"Q: {body.prompt or _last_user(body)}\nA: {''.join(tr.output)}"],
+                    ctx.memory.add, body.memory_ref or backend.memory_set, [f"Q: {_question(body)}\nA: {''.join(tr.output)}"],
                     [{"request": tr.id}], response_id=tr.id)
                 tr.memories_written = [f"m_{i}" for i in written]
             lc.advance(RequestState.RESOLVED, {"output": "".join(tr.output), "finish_reason": ch.finish_reason,
@@ -286,8 +256,11 @@ async def _run_request(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest
 
 
 
-def _last_user(body: SitsRequest) -> str:
-    return next((m.text() for m in reversed(body.messages or []) if m.role == "user"), "")
+def _question(body: SitsRequest) -> str:
+    """What retrieval searches for: the prompt, or the conversation's last user turn."""
+    if body.messages is None:
+        return body.prompt or ""
+    return last_user_text([{"role": m.role, "content": m.text()} for m in body.messages])
 
 
 def _finish_timings(tr: TrackedRequest, gen: Generation | None) -> None:

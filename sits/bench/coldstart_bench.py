@@ -13,7 +13,6 @@ Medians of ``--repeats`` starts each (≥ 5 by default), the phase breakdown of 
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from sits.bench.common import log, start_sits, stop_sits, wait_until, write_docs
+from sits.bench.common import bench_command, log, start_sits, stop_sits, wait_until, write_docs, write_json
 
 DOC_BEGIN = "<!-- sits bench coldstart: begin -->"
 DOC_END = "<!-- sits bench coldstart: end -->"
@@ -114,13 +113,9 @@ def run_coldstart_bench(model_dir: str, *, repeats: int = 5, json_out: str | Non
         "sits_warm_runs_ms": warm, "phases_ms": med_phases})
     result["ratio_cold_vs_naive"] = result["sits_cold_ms"] / result["naive_ms"] if naive else None
     result["ratio_cold_vs_warm"] = result["sits_cold_ms"] / result["sits_warm_ms"]
-    command = "sits bench coldstart " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "coldstart"] \
-        else "sits bench coldstart"
-    if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps(result, indent=2))
+    write_json(json_out, result)
     if docs_out:
-        write_docs(Path(docs_out), _markdown(result, command), DOC_BEGIN, DOC_END)
+        write_docs(Path(docs_out), _markdown(result, bench_command("coldstart")), DOC_BEGIN, DOC_END)
     return result
 
 

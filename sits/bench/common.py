@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -27,6 +28,19 @@ def pct(xs: list[float], q: float) -> float:
     k = (len(s) - 1) * q
     lo, hi = int(k), min(int(k) + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def bench_command(name: str) -> str:
+    """The command line that produced this run, as docs/benchmarks.md records it."""
+    if sys.argv[1:3] == ["bench", name]:
+        return f"sits bench {name} " + " ".join(sys.argv[3:])
+    return f"sits bench {name}"
+
+
+def write_json(path: str | Path | None, obj) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(obj, indent=2))
 
 
 def write_docs(path: Path, section: str, begin: str, end: str) -> None:

@@ -7,17 +7,15 @@ With pre-warming, the call to A starts B's instance, which is ready (or nearly) 
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from sits.bench.common import log, start_sits, stop_sits, wait_until, write_docs
+from sits.bench.common import bench_command, log, start_sits, stop_sits, wait_until, write_docs, write_json
 
 DOC_BEGIN = "<!-- sits bench prefetch: begin -->"
 DOC_END = "<!-- sits bench prefetch: end -->"
@@ -73,11 +71,8 @@ def run_prefetch_bench(model_dir: str, *, train: int = 6, repeats: int = 5, a_to
          "b_ttft_off_ms": statistics.median(off), "b_ttft_on_ms": statistics.median(on), "off_runs_ms": off,
          "on_runs_ms": on}
     r["ratio_on_vs_off"] = r["b_ttft_on_ms"] / r["b_ttft_off_ms"]
-    command = "sits bench prefetch " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "prefetch"] \
-        else "sits bench prefetch"
-    if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps(r, indent=2))
+    command = bench_command("prefetch")
+    write_json(json_out, r)
     if docs_out:
         lines = [DOC_BEGIN, "## Trace-driven pre-warming (`sits bench prefetch`)", "", f"Command: `{command}`  ",
                  f"Host: {r['host']}; model `{shown}`; chain: unit a ({a_tokens} tokens streamed) then unit b, same "

@@ -19,14 +19,13 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from sits.bench.common import log, pct, start_sits, stop_sits, write_docs
+from sits.bench.common import bench_command, log, pct, start_sits, stop_sits, write_docs, write_json
 
 DOC_BEGIN = "<!-- sits bench serve: begin -->"
 DOC_END = "<!-- sits bench serve: end -->"
@@ -311,10 +310,8 @@ def run_serve_bench(*, url: str | None, model_dir: str | None, model: str | None
     result = {"url": url, "model": model_dir or name, "endpoint": "/v1/chat/completions" if chat else "/v1/completions",
               "prompt_words": prompt_words, "max_tokens": max_tokens, "repeats": repeats, "modes": modes,
               "host": f"{os.cpu_count()} CPU cores, client and server on the same host"}
-    command = "sits bench serve " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "serve"] else "sits bench serve"
-    if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps(result, indent=2))
+    command = bench_command("serve")
+    write_json(json_out, result)
     if docs_out:
         docs = Path(docs_out)
         plot_path = docs.parent / "img" / "serve_bench.png"

@@ -4,11 +4,10 @@ network), the same workload against both in one run, TTFT and server overhead as
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from sits.bench.common import log, start_sits, stop_sits, write_docs
+from sits.bench.common import bench_command, log, start_sits, stop_sits, write_docs, write_json
 from sits.bench.serve_bench import sweep
 
 DOC_BEGIN = "<!-- sits bench tracing: begin -->"
@@ -43,19 +42,14 @@ def run_tracing_bench(model_dir: str, *, concurrency: list[int], repeats: int, r
             f"(x{row['ttft_ratio']:.3f}); server overhead +{row['overhead_delta_ms']:.2f} ms")
     result = {"model": model_dir, "engine": engine, "rounds": rounds, "repeats": repeats, "table": table,
               "host": f"{os.cpu_count()} CPU cores, client and server on the same host"}
-    if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps(result, indent=2))
+    write_json(json_out, result)
     if docs_out:
-        write_docs(Path(docs_out), _markdown(result), DOC_BEGIN, DOC_END)
+        write_docs(Path(docs_out), _markdown(result, bench_command("tracing")), DOC_BEGIN, DOC_END)
     return result
 
 
-def _markdown(r: dict) -> str:
-    conc = ",".join(str(row["concurrency"]) for row in r["table"])
-    lines = [DOC_BEGIN, "## Tracing overhead (`sits bench tracing`)", "",
-             f"Command: `sits bench tracing --model {r['model']} --concurrency {conc} --repeats {r['repeats']} "
-             f"--rounds {r['rounds']} --write-docs docs/benchmarks.md`  ",
+def _markdown(r: dict, command: str) -> str:
+    lines = [DOC_BEGIN, "## Tracing overhead (`sits bench tracing`)", "", f"Command: `{command}`  ",
              f"{r['host']}; engine mode {r['engine']}; chat completions, 48-word prompts, 16 tokens; off / on "
              f"alternated {r['rounds']}x, medians of all runs. \"on\" records every span of every request "
              "(all levels kept) into the in-memory exporter.", "",

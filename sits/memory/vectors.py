@@ -238,3 +238,9 @@ class MemoryStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def open_memory_store(data_dir: str | Path) -> MemoryStore:
+    """The data directory's memory (``memory.db``), embedding with the shared MiniLM (loaded on first use)."""
+    from sits.memory.embedder import shared_embedder
+    return MemoryStore(Path(data_dir) / "memory.db", lambda texts: shared_embedder().embed(texts).numpy())

@@ -4,8 +4,9 @@ One trace per request. The edge opens the root span (W3C ``traceparent`` from th
 parent) and keeps it in a context variable; the stages below it (validate, route, cold start and
 its phases, engine queue / prefill / decode, stream-out) are recorded with their real start and end
 times, many of them after the fact from the engine's timestamps (``time.monotonic`` is one clock
-for every process on the host), so the serving path pays for a few object creations and nothing
-waits on tracing.
+for every process on the host), so no stage waits for a span and no request waits for an exporter
+(export is batched). What recording costs is measured by ``sits bench tracing`` (docs/benchmarks.md:
+inside this host's noise so far).
 
 ``LevelTailSampler`` is a span processor, not a head sampler: it holds a trace's spans until its
 local root (and any span that crossed an async boundary below it) has ended, then keeps the trace

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import os
 import time
@@ -28,9 +27,8 @@ from sits.engine.sampling_params import SamplingParams
 from sits.engine.sequence import Sequence
 from sits.engine.tokenizer import Tokenizer
 from sits.faults import FaultInjector, FaultsSpec
-from sits.memory.embedder import shared_embedder
 from sits.memory.ingest import ingest_dir
-from sits.memory.vectors import MemoryStore
+from sits.memory.vectors import open_memory_store
 from sits.observe import tracing
 from sits.runtime.autoscaler import Autoscaler, ScaleDecision
 from sits.runtime.sla import NOT_OUTCOMES, BreakerState, SlaBreaker, SlaBreakerOpenError
@@ -68,10 +66,6 @@ class UnitBackend:
         self.validator = RequestValidator(self.tokenizer, vocab_size=mc.vocab_size, max_model_len=self.max_model_len,
                                           block_size=16, num_kv_blocks=1 << 30)
         self.kv_capacity_tokens = self.max_model_len
-        self.ttft_slo_ms = spec.slo.ttft_ms        # responses slower than this are SLO violations (traces keep them)
-        self.tools = list(spec.tools)              # tool contracts requests may ask for (semver constraints)
-        self.memory_set = spec.memory.set if spec.memory else None     # a RAG unit retrieves from this set
-        self.memory_top_k = spec.memory.top_k if spec.memory else 4
         self.ingested: dict | None = None
         self.tool_dirs = dict(spec.tool_dirs)
         self.python_tools = spec.python_tools
@@ -99,6 +93,26 @@ class UnitBackend:
     def fault_hits(self) -> collections.Counter:
         """Times each fault kind acted on this unit, over every fault set it had (for metrics)."""
         return self._past_fault_hits + self.faults.hits
+
+    # -- what the HTTP layer reads of the unit (all from its spec) -------------------------------------
+    @property
+    def ttft_slo_ms(self) -> float:
+        """Responses slower than this are SLO violations (traces keep them)."""
+        return self.spec.slo.ttft_ms
+
+    @property
+    def tools(self) -> list[str]:
+        """Tool contracts requests may ask for (semver constraints)."""
+        return self.spec.tools
+
+    @property
+    def memory_set(self) -> str | None:
+        """A RAG unit retrieves from this set."""
+        return self.spec.memory.set if self.spec.memory else None
+
+    @property
+    def memory_top_k(self) -> int:
+        return self.spec.memory.top_k if self.spec.memory else 4
 
     # -- the SLA guard and faults ---------------------------------------------------------------------
     def _breaker_moved(self, frm: BreakerState, to: BreakerState, why: str) -> None:
@@ -216,7 +230,12 @@ class UnitBackend:
                 t += ms / 1e3
 
     async def stream(self, seq: Sequence) -> AsyncIterator[TokenEvent]:
-        """Stream from an instance (with failover); the end is one outcome for the SLA breaker.
+        """Stream from an instance; if it dies mid-stream, resume on another one. The end is one
+        outcome for the SLA breaker.
+
+        Failover re-prefills the prompt plus the tokens already sent and asks for the rest, so the
+        client's stream goes on with no gap and no duplicate (greedy output is the same tokens as an
+        uninterrupted run; a seeded sampler restarts its random stream at the resume point).
 
         The outcome's TTFT is the gateway's own (from ``prepare``: queueing, cold start and link
         delays included), because that is what the client waited for. One client request is one
@@ -230,35 +249,7 @@ class UnitBackend:
         probe = self.breaker.probe_started() if primary else None
         error_code: str | None = None
         finished = False
-        seen_first: list[float] = []      # the gateway's own time to first token (ms), once known
-        try:
-            async with contextlib.aclosing(self._stream_with_failover(seq, seen_first)) as events:
-                async for ev in events:    # aclosing: a client that leaves aborts the instance's work now
-                    if ev.finished:
-                        finished = True
-                    yield ev
-        except SitsError as e:
-            if e.http_status >= 500 and e.code not in NOT_OUTCOMES:
-                error_code = e.code
-            raise
-        finally:
-            if primary:
-                waited_ms = seen_first[0] if seen_first else (time.monotonic() - seq.arrival_time) * 1e3
-                if finished or error_code is not None:
-                    self.breaker.record(self.breaker.classify(seen_first[0] if seen_first else None, error_code),
-                                        probe=probe)
-                elif waited_ms > self.ttft_slo_ms:      # abandoned or cut short after the SLO had passed
-                    self.breaker.record(self.breaker.classify(waited_ms, None), probe=probe)
-                else:
-                    self.breaker.probe_cancelled(probe)
-
-    async def _stream_with_failover(self, seq: Sequence, seen_first: list[float]) -> AsyncIterator[TokenEvent]:
-        """Stream from an instance; if it dies mid-stream, resume on another one.
-
-        Failover re-prefills the prompt plus the tokens already sent and asks for the rest, so the
-        client's stream goes on with no gap and no duplicate (greedy output is the same tokens as an
-        uninterrupted run; a seeded sampler restarts its random stream at the resume point).
-        """
+        gw_first: float | None = None     # the gateway's own time to first token (ms), once known
         rid = seq.request_id
         sent: list[int] = []
         first: float | None = None
@@ -276,68 +267,83 @@ class UnitBackend:
         active = faults.active
         lag = faults.queue_lag_s(hints.path) if active else 0.0
         block = faults.first_frame_s(hints.path) if active else 0.0
-        while True:
-            t_route = seq.arrival_time if not failovers else time.monotonic()   # gateway queueing included
-            inst, why = await self._acquire(rid, cur, hashes, hints.session_id, lag)
-            lag = 0.0
-            self._trace_route(t_route, inst, why, failovers)
-            self.router.record(inst.id, hashes, hints.session_id)
-            inst.inflight += 1
-            self.inflight += 1
-            self._placed[rid] = inst.backend
-            done = len(sent)
-            try:
-                # fault: the request's own frame is late too; its delay joins the first event's, so the
-                # instance already has the stream (and an abort meanwhile reaches it)
-                uplink = faults.link_delay_s(hints.path) if active else 0.0
-                async for ev in inst.backend.stream(cur):
-                    if active:
-                        if d := faults.link_delay_s(hints.path) + uplink:
-                            uplink = 0.0
-                            await asyncio.sleep(d)     # fault: this event's frame is late
-                        if block and not sent:
-                            await asyncio.sleep(block)  # fault: the first frame is held back
-                            block = 0.0
-                    if done:   # a resumed stream: number its tokens after the ones already sent
-                        ev = replace(ev, index=ev.index + done, num_output_tokens=ev.num_output_tokens + done,
-                                     num_prompt_tokens=len(seq.prompt_token_ids), num_cached_tokens=cached,
-                                     arrival_time=seq.arrival_time, first_token_time=first_token_time,
-                                     first_scheduled_time=first_scheduled)
-                    if ev.token_id is not None:
-                        sent.append(ev.token_id)
-                        if first is None and ev.first_token_time is not None:
-                            first = (ev.first_token_time - ev.arrival_time) * 1e3
-                            first_token_time, first_scheduled = ev.first_token_time, ev.first_scheduled_time
-                            cached = ev.num_cached_tokens
-                        if prev is not None:
-                            itls.append((ev.time - prev) * 1e3)
-                        prev = ev.time
-                        if not seen_first:
-                            seen_first.append((time.monotonic() - seq.arrival_time) * 1e3)
-                    if ev.finished:
-                        self.window.finished(first, (ev.time - ev.arrival_time) * 1e3, ev.num_output_tokens, itls)
-                    yield ev
-                return
-            except EngineDeadError as e:
-                if failovers >= MAX_FAILOVERS:
-                    raise
-                failovers += 1
-                left = seq.params.max_tokens - len(sent)
-                self.gateway.record(self.name, "failover", {"request": rid, "instance": inst.id,
-                                                            "tokens_sent": len(sent), "error": e.message})
-                log.warning("unit %s: instance %s died under request %s after %d token(s); resuming elsewhere",
-                            self.name, inst.id, rid, len(sent))
-                if left <= 0:
-                    raise
-                cur = Sequence(rid, seq.prompt_token_ids + sent, replace(seq.params, max_tokens=left),
-                               priority=seq.priority, interactive=seq.interactive, arrival_time=seq.arrival_time)
-            finally:
-                inst.inflight -= 1
-                self.inflight -= 1
-                if self._placed.get(rid) is inst.backend:
-                    self._placed.pop(rid, None)
-                if not self.inflight and not self.waiting:
-                    self.idle_since = time.monotonic()
+        try:
+            while True:
+                t_route = seq.arrival_time if not failovers else time.monotonic()   # gateway queueing included
+                inst, why = await self._acquire(rid, cur, hashes, hints.session_id, lag)
+                lag = 0.0
+                self._trace_route(t_route, inst, why, failovers)
+                self.router.record(inst.id, hashes, hints.session_id)
+                inst.inflight += 1
+                self.inflight += 1
+                self._placed[rid] = inst.backend
+                done = len(sent)
+                try:
+                    # fault: the request's own frame is late too; its delay joins the first event's, so the
+                    # instance already has the stream (and an abort meanwhile reaches it)
+                    uplink = faults.link_delay_s(hints.path) if active else 0.0
+                    async for ev in inst.backend.stream(cur):
+                        if active:
+                            if d := faults.link_delay_s(hints.path) + uplink:
+                                uplink = 0.0
+                                await asyncio.sleep(d)     # fault: this event's frame is late
+                            if block and not sent:
+                                await asyncio.sleep(block)  # fault: the first frame is held back
+                                block = 0.0
+                        if done:   # a resumed stream: number its tokens after the ones already sent
+                            ev = replace(ev, index=ev.index + done, num_output_tokens=ev.num_output_tokens + done,
+                                         num_prompt_tokens=len(seq.prompt_token_ids), num_cached_tokens=cached,
+                                         arrival_time=seq.arrival_time, first_token_time=first_token_time,
+                                         first_scheduled_time=first_scheduled)
+                        if ev.token_id is not None:
+                            sent.append(ev.token_id)
+                            if first is None and ev.first_token_time is not None:
+                                first = (ev.first_token_time - ev.arrival_time) * 1e3
+                                first_token_time, first_scheduled = ev.first_token_time, ev.first_scheduled_time
+                                cached = ev.num_cached_tokens
+                            if prev is not None:
+                                itls.append((ev.time - prev) * 1e3)
+                            prev = ev.time
+                            if gw_first is None:
+                                gw_first = (time.monotonic() - seq.arrival_time) * 1e3
+                        if ev.finished:
+                            finished = True
+                            self.window.finished(first, (ev.time - ev.arrival_time) * 1e3, ev.num_output_tokens, itls)
+                        yield ev
+                    return
+                except EngineDeadError as e:
+                    if failovers >= MAX_FAILOVERS:
+                        raise
+                    failovers += 1
+                    left = seq.params.max_tokens - len(sent)
+                    self.gateway.record(self.name, "failover", {"request": rid, "instance": inst.id,
+                                                                "tokens_sent": len(sent), "error": e.message})
+                    log.warning("unit %s: instance %s died under request %s after %d token(s); resuming elsewhere",
+                                self.name, inst.id, rid, len(sent))
+                    if left <= 0:
+                        raise
+                    cur = Sequence(rid, seq.prompt_token_ids + sent, replace(seq.params, max_tokens=left),
+                                   priority=seq.priority, interactive=seq.interactive, arrival_time=seq.arrival_time)
+                finally:
+                    inst.inflight -= 1
+                    self.inflight -= 1
+                    if self._placed.get(rid) is inst.backend:
+                        self._placed.pop(rid, None)
+                    if not self.inflight and not self.waiting:
+                        self.idle_since = time.monotonic()
+        except SitsError as e:
+            if e.http_status >= 500 and e.code not in NOT_OUTCOMES:
+                error_code = e.code
+            raise
+        finally:
+            if primary:
+                waited_ms = gw_first if gw_first is not None else (time.monotonic() - seq.arrival_time) * 1e3
+                if finished or error_code is not None:
+                    self.breaker.record(self.breaker.classify(gw_first, error_code), probe=probe)
+                elif waited_ms > self.ttft_slo_ms:      # abandoned or cut short after the SLO had passed
+                    self.breaker.record(self.breaker.classify(waited_ms, None), probe=probe)
+                else:
+                    self.breaker.probe_cancelled(probe)
 
     def abort(self, request_id: str, error: SitsError | None = None) -> None:
         err = error or RequestAbortedError(f"request {request_id} was aborted")
@@ -418,7 +424,7 @@ class Gateway:
                  prefetch: bool = True, prefetch_threshold: float = 0.85):
         self.data_dir = Path(data_dir)
         # vector memory of the data directory (RAG units ingest into it; the HTTP layer serves it)
-        self.memory = MemoryStore(self.data_dir / "memory.db", lambda texts: shared_embedder().embed(texts).numpy())
+        self.memory = open_memory_store(self.data_dir)
         self.use_zygote = zygote
         self.prefetcher = Prefetcher(threshold=prefetch_threshold if prefetch else float("inf"))
         self.zygote: ZygoteClient | None = None
