@@ -26,10 +26,12 @@ from sits.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, Co
                                CompletionResponse, ModelCard, ModelList)
 from sits.api.retrieval import last_user_text, recall, with_context
 from sits.api.session_routes import SessionTurn
+from sits.api.structured import Guidance, ToolCallStream, assistant_message, chat_guidance
 from sits.api.sse import SSE_DONE, ClientDisconnected, SSEResponse, sse_data, until_disconnect
 from sits.engine.errors import ContextLengthExceededError, InvalidRequestError, SitsError
 from sits.engine.llm_engine import TokenEvent
 from sits.engine.sampling_params import SamplingParams
+from sits.engine.tool_format import ToolSpec
 from sits.observe import genai, tracing
 
 router = APIRouter()
@@ -48,7 +50,7 @@ STREAM_DOC = {"content": {"text/event-stream": {"schema": {"type": "string"},
 
 # -- request -> engine jobs -------------------------------------------------------------------------
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                    logprobs: int | None) -> SamplingParams:
+                    logprobs: int | None, grammar: str | None = None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return SamplingParams(
         max_tokens=max_tokens,
@@ -61,7 +63,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-        logprobs=logprobs)
+        logprobs=logprobs, grammar=grammar)
 
 
 def default_max_tokens(backend: Backend, prompt_len: int) -> int:
@@ -95,14 +97,25 @@ def completion_prompts(req: CompletionRequest, backend: Backend) -> list[str | l
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
-    return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+    out = []
+    for m in req.messages:
+        msg: dict[str, Any] = {"role": m.role, "content": m.text() if m.content is not None else None}
+        if m.name:
+            msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
 
 
-def chat_prompt_ids(messages: list[dict], backend: Backend, add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt_ids(messages: list[dict], backend: Backend, add_generation_prompt: bool = True,
+                    tools: list[ToolSpec] | None = None) -> list[int]:
     if len(messages) > backend.max_model_len:     # every message renders to a token at least
         raise ContextLengthExceededError(f"{len(messages)} messages cannot fit in this model's "
                                          f"{backend.max_model_len} tokens", param="messages")
-    text = backend.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    text = backend.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     ids = backend.tokenizer.encode(text, max_tokens=backend.max_model_len)
     if not ids:
         raise InvalidRequestError("the rendered conversation is empty", param="messages", code="empty_prompt")
@@ -198,15 +211,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                                           backend.memory_top_k, required=False)
         if context:
             messages = with_context(messages, context)
-    ids = chat_prompt_ids(messages, backend, body.add_generation_prompt)
+    guidance = chat_guidance(body)
+    ids = chat_prompt_ids(messages, backend, body.add_generation_prompt, guidance.tools or None)
     max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens(backend, len(ids))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs",
                                   code="invalid_parameter")
-    gen = Generation(backend, ctx.metrics, ctx.inflight, rid, [(ids, sampling_params(body, max_tokens, logprobs))],
+    params = sampling_params(body, max_tokens, logprobs, guidance.grammar)
+    gen = Generation(backend, ctx.metrics, ctx.inflight, rid, [(ids, params)],
                      n=body.n, priority=body.priority, interactive=True, accepted_at=accepted_at(request))
-    chunks = _ChatChunks(f"chatcmpl-{rid}", backend, gen, body)
+    chunks = _ChatChunks(f"chatcmpl-{rid}", backend, gen, body, guidance)
     chunks.citations = citations
     return await _respond(request, gen, chunks, turn)
 
@@ -333,10 +348,18 @@ class _ChatChunks(_Chunks):
     obj = "chat.completion.chunk"
     response_object = "chat.completion"
 
+    def __init__(self, cid: str, backend: Backend, gen: Generation, body, guidance: Guidance):
+        super().__init__(cid, backend, gen, body)
+        self.guidance = guidance
+        self.calls = [ToolCallStream(guidance) for _ in gen.choices] if guidance.calls_tools else None
+
     def final_choice(self, ch: ChoiceResult) -> dict[str, Any]:
-        return {"index": ch.index, "message": {"role": "assistant", "content": "".join(ch.text)},
-                "finish_reason": ch.finish_reason,
-                "logprobs": chat_logprobs(self.backend, ch) if self.body.logprobs else None}
+        message, finish_reason, errors = assistant_message(self.guidance, "".join(ch.text), ch.finish_reason)
+        out = {"index": ch.index, "message": message, "finish_reason": finish_reason,
+               "logprobs": chat_logprobs(self.backend, ch) if self.body.logprobs else None}
+        if errors:
+            out["tool_call_errors"] = errors
+        return out
 
     def opening(self) -> list[dict]:
         out = [self.base([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -349,8 +372,22 @@ class _ChatChunks(_Chunks):
         if not ev.text and not ev.finished:
             return None
         ch = self.gen.choices[i]
-        c: dict[str, Any] = {"index": i, "delta": {"content": ev.text} if ev.text else {}, "logprobs": None,
-                             "finish_reason": ev.finish_reason if ev.finished else None}
+        text, finish_reason, delta = ev.text, ev.finish_reason if ev.finished else None, {}
+        if self.calls is not None:       # prose streams; calls are read whole at the end
+            text = self.calls[i].feed(ev.text)
+            if ev.finished:
+                rest, calls, errors = self.calls[i].finish()
+                text += rest
+                if calls:
+                    delta["tool_calls"] = calls
+                    finish_reason = "tool_calls"
+            if not text and not delta and not ev.finished:
+                return None
+        if text:
+            delta = {"content": text, **delta}
+        c: dict[str, Any] = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        if self.calls is not None and ev.finished and errors:
+            c["tool_call_errors"] = errors
         if self.body.logprobs and ev.token_id is not None:
             c["logprobs"] = chat_logprobs(self.backend, ch, start=len(ch.token_ids) - 1)
         return self.base([c])

@@ -18,9 +18,13 @@ MAX_STOP = 16
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
-class _Request(BaseModel):
+class _Body(BaseModel):
+    """A part of a request body: strict types, unknown fields accepted (and ignored)."""
+
     model_config = ConfigDict(strict=True, extra="allow")
 
+
+class _Request(_Body):
     def ignored_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
 
@@ -35,8 +39,7 @@ class _Request(BaseModel):
         return f'299 sits "ignored unknown field(s): {shown}{more}"'
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
@@ -69,17 +72,30 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+class TextPart(_Body):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-    role: Literal["system", "developer", "user", "assistant"]
+class FunctionCall(_Body):
+    name: str = Field(..., min_length=1, max_length=64)
+    arguments: str = Field("{}", description="the arguments, JSON-encoded (as OpenAI sends them)")
+
+
+class ToolCallMessage(_Body):
+    """One call in an assistant turn the client sends back (the model's earlier answer)."""
+
+    id: str = Field(..., min_length=1, max_length=128)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = Field(None, max_length=64, description="assistant turns: its calls")
+    tool_call_id: str | None = Field(None, max_length=128, description="tool turns: the call this answers")
 
     def text(self) -> str:
         if self.content is None:
@@ -89,8 +105,49 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(..., pattern=FUNCTION_NAME)
+    description: str | None = Field(None, max_length=8192)
+    parameters: dict[str, Any] | None = Field(None, description="JSON Schema of the arguments (default: no arguments)")
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str = Field(..., pattern=FUNCTION_NAME)
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    tools: list[ChatTool] | None = Field(None, max_length=128, description="functions the model may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: auto with tools, none without; calls are grammar-constrained")
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = Field(None, description="json_object / json_schema: grammar-constrained")
     max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     max_completion_tokens: int | None = Field(None, ge=1, description="alias of max_tokens (newer clients)")
     logprobs: bool = False
@@ -147,9 +204,16 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -157,6 +221,8 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    tool_call_errors: list[dict[str, Any]] | None = Field(
+        None, description="tool-call blocks the model wrote that are not valid calls (kept in content)")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -183,8 +249,7 @@ class ModelList(BaseModel):
 
 
 # -- the SITS dialect ---------------------------------------------------------------------------
-class Constraints(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+class Constraints(_Body):
     max_tokens: int = Field(64, ge=1)
     timeout_ms: int | None = Field(None, ge=1, le=24 * 3600 * 1000,
                                    description="from acceptance to the end; REJECTED `timeout` when it runs out")
@@ -200,7 +265,11 @@ class SitsRequest(_Request):
     memory_ref: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$",
                                    description="a memory set: its closest memories go in front of the question")
     allowed_tools: list[Annotated[str, StringConstraints(min_length=1, max_length=128)]] | None = Field(
-        None, max_length=64, description='tool contracts with semver constraints, e.g. "file.read@^1.2"')
+        None, max_length=64, description='tool contracts with semver constraints, e.g. "file.read@^1.2"; '
+                                         "the runtime runs the calls and gives the results back to the model")
+    tool_choice: str = Field("auto", min_length=1, max_length=128,
+                             description='first step: "auto", "required", "none", or a tool id (e.g. "math.eval")')
+    max_tool_steps: int = Field(4, ge=1, le=16, description="model turns that may call tools before it must answer")
     constraints: Constraints = Field(default_factory=Constraints)
     callback_url: str | None = Field(None, max_length=2048, description="receives every transition as a POST")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -229,3 +298,4 @@ class SitsRequestView(BaseModel):
     events_url: str
     citations: list[dict[str, Any]] | None = Field(None, description="memories retrieved for it (memory_ref)")
     memories_written: list[str] | None = None
+    tool_steps: list[dict[str, Any]] | None = Field(None, description="the tool loop's steps: text, calls, results")

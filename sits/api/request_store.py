@@ -28,7 +28,7 @@ class TooManyRequestsError(SitsError):
 @dataclass(slots=True)
 class LoggedEvent:
     id: int
-    kind: str                # "state" | "delta"
+    kind: str                # "state" | "delta" | "tool_call" | "tool_result"
     data: dict[str, Any]
 
 
@@ -49,6 +49,7 @@ class TrackedRequest:
     trace: Any = None                                # the execution's tracing Scope, when traced
     citations: list[dict] = field(default_factory=list)      # memories retrieved for it (memory_ref)
     memories_written: list[str] = field(default_factory=list)
+    tool_steps: list[dict] = field(default_factory=list)     # the tool loop's steps that called tools
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def start(self, subscribers: list[Subscriber]) -> None:
@@ -67,9 +68,24 @@ class TrackedRequest:
                 self.error = ev.payload["error"]
         self._append("state", ev.to_dict())
 
-    def add_delta(self, index: int, text: str, token_id: int | None) -> None:
+    def add_delta(self, index: int, text: str, token_id: int | None, step: int | None = None) -> None:
         self.output.append(text)
-        self._append("delta", {"request_id": self.id, "index": index, "text": text, "token_id": token_id})
+        self._append("delta", {"request_id": self.id, "index": index, "text": text, "token_id": token_id,
+                               **({"step": step} if step is not None else {})})
+
+    def add_event(self, kind: str, data: dict[str, Any]) -> None:
+        self._append(kind, data)
+
+    def end_step(self, step: dict[str, Any]) -> None:
+        """A tool-loop step that called tools is over: its text leaves the output (the answer is
+        the last step's) and is kept, with its calls, in ``tool_steps``."""
+        self.tool_steps.append(step)
+        self.output.clear()
+
+    def record_result(self, call_id: str, output: str | None, error: dict | None) -> None:
+        for call in self.tool_steps[-1]["calls"] if self.tool_steps else []:
+            if call["id"] == call_id:
+                call["result"] = {"output": output} if error is None else {"error": error}
 
     @property
     def state(self) -> RequestState:
@@ -103,6 +119,7 @@ class TrackedRequest:
             "finish_reason": self.finish_reason, "usage": self.usage, "timings": self.timings,
             "error": self.error, "events_url": f"{base_url}/v1/requests/{self.id}/events",
             "citations": self.citations or None, "memories_written": self.memories_written or None,
+            "tool_steps": self.tool_steps or None,
         }
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from sits.api.backend import Backend
 from sits.api.context import ServerContext, accepted_at, context_of, new_request_id
 from sits.api.errors import ConflictError, ErrorResponse, ModelNotFoundError, RequestNotFoundError, clip
 from sits.api.generation import Generation
@@ -24,6 +26,7 @@ from sits.api.protocol import SitsRequest, SitsRequestView
 from sits.api.request_store import RequestStore, TrackedRequest
 from sits.api.retrieval import MEMORY_TOP_K, last_user_text, recall, with_context
 from sits.api.session_routes import SessionTurn
+from sits.api.tool_loop import ToolLoop
 from sits.api.sse import SSE_KEEPALIVE, SSEResponse, sse_event
 from sits.api.webhooks import WebhookDispatcher, validate_callback_url
 from sits.engine.errors import InvalidRequestError, SitsError
@@ -141,14 +144,31 @@ def _sampling(body: SitsRequest, max_tokens: int) -> SamplingParams:
 
 
 
-async def _validate(ctx: ServerContext, body: SitsRequest, turn: SessionTurn | None, rid: str):
+@dataclass(slots=True)
+class _Plan:
+    """What VALIDATING decided: where the request runs and what the model reads."""
+
+    backend: Backend
+    prompt: str | list[int] | None          # None: the tool loop renders ``messages`` each step
+    messages: list[dict] | None
+    params: SamplingParams
+    citations: list[dict]
+    tools: ToolLoop | None = None
+    tool_choice: str = "auto"
+
+
+async def _validate(ctx: ServerContext, body: SitsRequest, turn: SessionTurn | None, tr: TrackedRequest,
+                    t0: float) -> _Plan:
     """VALIDATING: unit, tools, memory, context. Raises SitsError (-> REJECTED with its code).
     With a session, the stored conversation goes in front (a bare prompt is then a user turn); with
-    a ``memory_ref``, the set's closest memories go in front of the question, recorded as retrieved."""
+    a ``memory_ref``, the set's closest memories go in front of the question, recorded as retrieved;
+    with ``allowed_tools``, the runtime's tool loop will run the model's calls."""
+    rid = tr.id
     try:
         backend = ctx.registry.get(body.unit)
     except ModelNotFoundError as e:
         raise InvalidRequestError(e.message, param="unit", code="unit_not_found") from None
+    loop, choice = None, body.tool_choice
     if body.allowed_tools:
         unit_tools = getattr(backend, "tools", [])
         if not unit_tools:
@@ -156,7 +176,10 @@ async def _validate(ctx: ServerContext, body: SitsRequest, turn: SessionTurn | N
                                       f"{clip(', '.join(body.allowed_tools), 200)}", param="allowed_tools",
                                       code="tool_not_allowed")
         try:
-            ctx.tools.allowed(body.allowed_tools, unit_tools)
+            contracts = ctx.tools.allowed(body.allowed_tools, unit_tools)
+            loop = ToolLoop(ctx, backend, contracts, tr, priority=body.constraints.priority,
+                            interactive=body.interactive, accepted_at=t0)
+            choice = loop.first_choice(body.tool_choice)
         except ToolError as e:
             raise InvalidRequestError(f"unit {backend.name!r}: {e.message}", param="allowed_tools",
                                       code=e.code) from None
@@ -166,21 +189,25 @@ async def _validate(ctx: ServerContext, body: SitsRequest, turn: SessionTurn | N
         citations, context = await recall(ctx, set_name, _question(body), rid,
                                           getattr(backend, "memory_top_k", MEMORY_TOP_K),
                                           required=body.memory_ref is not None)
-    if body.messages is not None or turn is not None:
-        messages = ([{"role": m.role, "content": m.text()} for m in body.messages] if body.messages is not None
-                    else [{"role": "user", "content": body.prompt or ""}])
-        if turn is not None:
-            messages = await turn.conversation(messages)
-        if context:
-            messages = with_context(messages, context)
-        if len(messages) > backend.max_model_len:
-            raise InvalidRequestError(f"{len(messages)} messages cannot fit in this unit's {backend.max_model_len} "
-                                      "tokens", param="messages", code="context_length_exceeded")
-        prompt: str | list[int] = backend.tokenizer.encode(backend.tokenizer.apply_chat_template(messages),
-                                                           max_tokens=backend.max_model_len)
-    else:
+    params = _sampling(body, body.constraints.max_tokens)
+    if body.messages is None and turn is None and loop is None:
         prompt = (f"Context:\n{context}\n\nQuestion: {body.prompt}\nAnswer:" if context else body.prompt) or ""
-    return backend, prompt, _sampling(body, body.constraints.max_tokens), citations
+        return _Plan(backend, prompt, None, params, citations)
+    messages = ([{"role": m.role, "content": m.text()} for m in body.messages] if body.messages is not None
+                else [{"role": "user", "content": body.prompt or ""}])
+    if turn is not None:
+        messages = await turn.conversation(messages)
+    if context:
+        messages = with_context(messages, context)
+    if len(messages) > backend.max_model_len:
+        raise InvalidRequestError(f"{len(messages)} messages cannot fit in this unit's {backend.max_model_len} "
+                                  "tokens", param="messages", code="context_length_exceeded")
+    tok = backend.tokenizer
+    ids = tok.encode(tok.apply_chat_template(messages, tools=loop.specs if loop else None),
+                     max_tokens=backend.max_model_len)
+    if loop is not None:     # the first step's prompt must fit; later steps are checked as they come
+        backend.prepare(ids, params, request_id=f"{rid}.check", priority=body.constraints.priority)
+    return _Plan(backend, None if loop else ids, messages, params, citations, loop, choice)
 
 
 async def _execute(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest, t0: float) -> None:
@@ -207,21 +234,29 @@ async def _run_request(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest
     timeout_ms = body.constraints.timeout_ms
     deadline = None if timeout_ms is None else t0 + timeout_ms / 1e3
     gen: Generation | None = None
+    plan: _Plan | None = None
     try:
         async with asyncio.timeout(None if deadline is None else deadline - time.monotonic()):
             lc.advance(RequestState.VALIDATING)
             turn = SessionTurn.of(ctx)
-            backend, prompt, params, citations = await _validate(ctx, body, turn, tr.id)
-            tr.citations = citations
-            gen = Generation(backend, ctx.metrics, ctx.inflight, tr.id, [(prompt, params)],
-                             priority=body.constraints.priority, interactive=body.interactive, accepted_at=t0)
-            lc.advance(RequestState.EXECUTING)
-            async for _, ev in gen.events():
-                if ev.text:
-                    tr.add_delta(ev.index, ev.text, ev.token_id)
-            ch = gen.choices[0]
-            tr.finish_reason = ch.finish_reason
-            tr.usage = gen.usage()
+            plan = await _validate(ctx, body, turn, tr, t0)
+            backend = plan.backend
+            tr.citations = plan.citations
+            if plan.tools is not None:
+                lc.advance(RequestState.EXECUTING)
+                answer = await plan.tools.run(plan.messages, plan.params, plan.tool_choice, body.max_tool_steps)
+                gen = plan.tools.last
+                tr.finish_reason = answer.finish_reason
+                tr.usage = dict(plan.tools.usage)
+            else:
+                gen = Generation(backend, ctx.metrics, ctx.inflight, tr.id, [(plan.prompt, plan.params)],
+                                 priority=body.constraints.priority, interactive=body.interactive, accepted_at=t0)
+                lc.advance(RequestState.EXECUTING)
+                async for _, ev in gen.events():
+                    if ev.text:
+                        tr.add_delta(ev.index, ev.text, ev.token_id)
+                tr.finish_reason = gen.choices[0].finish_reason
+                tr.usage = gen.usage()
             tr.timings = gen.timings_ms()
             if turn is not None:
                 instance = getattr(backend, "session_instance", lambda sid: None)(turn.session_id)
@@ -232,28 +267,27 @@ async def _run_request(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest
                     ctx.memory.add, body.memory_ref or backend.memory_set, [f"Q: {_question(body)}\nA: {''.join(tr.output)}"],
                     [{"request": tr.id}], response_id=tr.id)
                 tr.memories_written = [f"m_{i}" for i in written]
-            lc.advance(RequestState.RESOLVED, {"output": "".join(tr.output), "finish_reason": ch.finish_reason,
+            lc.advance(RequestState.RESOLVED, {"output": "".join(tr.output), "finish_reason": tr.finish_reason,
                                                "usage": tr.usage, "timings": tr.timings,
                                                **({"citations": tr.citations} if tr.citations else {}),
                                                **({"memories_written": tr.memories_written}
-                                                  if tr.memories_written else {})})
+                                                  if tr.memories_written else {}),
+                                               **({"tool_steps": tr.tool_steps} if tr.tool_steps else {})})
     except TimeoutError:
-        _finish_timings(tr, gen)
+        _finish_timings(tr, gen, plan)
         lc.reject("timeout", f"timeout_ms={timeout_ms} ran out in {lc.state.value}")
     except asyncio.CancelledError:
-        _finish_timings(tr, gen)
+        _finish_timings(tr, gen, plan)
         code, message = tr.cancel_reason or ("server_shutting_down", "the server shut down before the request ended")
         lc.reject(code, message)
         raise
     except SitsError as e:
-        _finish_timings(tr, gen)
+        _finish_timings(tr, gen, plan)
         lc.reject(e.code, e.message, **({"param": e.param} if e.param else {}))
     except Exception as e:  # a bug: the request still ends, with a reason
         log.exception("request %s failed", tr.id)
-        _finish_timings(tr, gen)
+        _finish_timings(tr, gen, plan)
         lc.reject("internal_error", f"internal error: {type(e).__name__}")
-
-
 
 
 def _question(body: SitsRequest) -> str:
@@ -263,10 +297,13 @@ def _question(body: SitsRequest) -> str:
     return last_user_text([{"role": m.role, "content": m.text()} for m in body.messages])
 
 
-def _finish_timings(tr: TrackedRequest, gen: Generation | None) -> None:
+def _finish_timings(tr: TrackedRequest, gen: Generation | None, plan: "_Plan | None" = None) -> None:
+    if plan is not None and plan.tools is not None:
+        gen = plan.tools.last
+        tr.usage = dict(plan.tools.usage)
     if gen is not None:
         tr.timings = gen.timings_ms()
-        if gen.choices and gen.choices[0].token_ids:
+        if gen.choices and gen.choices[0].token_ids and (plan is None or plan.tools is None):
             tr.usage = gen.usage()
 
 

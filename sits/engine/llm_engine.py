@@ -18,6 +18,7 @@ from sits.engine.cold_start import ColdStartReport, process_age_s
 from sits.engine.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from sits.engine.detokenizer import IncrementalDetokenizer
 from sits.engine.errors import InvalidRequestError
+from sits.engine.guided import vocabulary_for
 from sits.engine.kv_cache import KVCache, bytes_per_block
 from sits.engine.loader import load_model
 from sits.engine.model_runner import ModelRunner
@@ -177,6 +178,8 @@ class LLMEngine:
                                       code="duplicate_request_id")
         p = seq.params
         stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
+        if p.grammar is not None and seq.guide is None:
+            seq.guide = vocabulary_for(self.tokenizer, self.model_config.vocab_size).guide(p.grammar, p.grammar_prefix)
         detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, stop=p.stop)
         self.requests[seq.request_id] = _Request(seq, detok, stop_ids)
         self.scheduler.add(seq)
@@ -227,8 +230,10 @@ class LLMEngine:
 
     def _sample_and_emit(self, batch: ScheduledBatch, logits: torch.Tensor, rows: list[int]) -> list[TokenEvent]:
         seqs = [batch.seqs[i] for i in rows]
+        allowed = [s.guide.allowed() if s.guide is not None else None for s in seqs]
         result = self.sampler.sample(logits, [s.params for s in seqs], [s.output_token_ids for s in seqs],
-                                     [s.prompt_token_ids for s in seqs], [s.generator for s in seqs])
+                                     [s.prompt_token_ids for s in seqs], [s.generator for s in seqs],
+                                     allowed if any(a is not None for a in allowed) else None)
         now = time.monotonic()
         events = []
         for j, seq in enumerate(seqs):
@@ -240,12 +245,14 @@ class LLMEngine:
                 self.report.mark_first_token()
             seq.last_token_time = now
             reason = None
+            if seq.guide is not None:
+                seq.guide.accept(tok)
             if tok in req.stop_ids:
                 reason = FinishReason.STOP
                 text = ""
             else:
                 text = req.detok.step(tok)
-                if req.detok.stopped:
+                if req.detok.stopped or (seq.guide is not None and seq.guide.complete):
                     reason = FinishReason.STOP
             if reason is None and (len(seq.output_token_ids) >= seq.params.max_tokens
                                    or seq.num_tokens >= self.max_model_len):

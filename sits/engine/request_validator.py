@@ -8,6 +8,7 @@ before anything crosses a process boundary.
 from __future__ import annotations
 
 from sits.engine.errors import ContextLengthExceededError, InvalidRequestError
+from sits.engine.guided import vocabulary_for
 from sits.engine.sampling_params import SamplingParams
 from sits.engine.tokenizer import Tokenizer
 
@@ -51,4 +52,6 @@ class RequestValidator:
                 f"({self.kv_capacity_tokens} tokens)", param="max_tokens", code="kv_capacity_exceeded")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError("priority must be an integer", param="priority", code="invalid_parameter")
+        if params.grammar is not None:
+            vocabulary_for(self.tokenizer, self.vocab_size).check(params.grammar)
         return ids

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sits.engine.sampling_params import SamplingParams
@@ -106,19 +107,23 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                output_token_ids: list[list[int]], prompt_token_ids: list[list[int]],
-               generators: list[torch.Generator | None]) -> SampleResult:
+               generators: list[torch.Generator | None],
+               allowed: list[np.ndarray | None] | None = None) -> SampleResult:
         """Pick one token per row of ``logits`` ([B, V]; non-float32 is upcast, never mutated).
 
         Row ``i`` is governed by ``params[i]``, penalised by ``output_token_ids[i]`` /
         ``prompt_token_ids[i]`` and, when not greedy, drawn with ``generators[i]`` (``None``: the
         sampler's default generator). Greedy rows take the argmax of the penalised logits, the
-        lowest id on ties.
+        lowest id on ties. ``allowed[i]`` (a boolean mask over the vocabulary, from a grammar)
+        leaves only those tokens to choose from; ``None`` rows are free.
         """
         if logits.dim() != 2 or logits.shape[0] != len(params):
             raise ValueError(f"logits must be [batch, vocab] with batch == len(params) == {len(params)}, "
                              f"got shape {tuple(logits.shape)}")
         raw = logits.float()
         processed = apply_penalties(raw, params, output_token_ids, prompt_token_ids)
+        if allowed is not None and any(a is not None for a in allowed):
+            processed = _restrict(processed, allowed, copy=processed is raw)   # raw also feeds logprobs
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(random_rows) == len(params):
             tokens = self._sample_random(processed, params, generators)
@@ -166,6 +171,21 @@ class Sampler:
         # search lands on a token with nonzero probability (a flat stretch of the CDF never wins).
         targets = (1.0 - torch.cat([d.to(device) for d in draws])).unsqueeze(1) * cdf[:, -1:]
         return torch.searchsorted(cdf, targets).squeeze(1)
+
+
+def _restrict(logits: torch.Tensor, allowed: list[np.ndarray | None], copy: bool) -> torch.Tensor:
+    """``logits`` with every token a row's mask forbids at -inf (masks narrower than the logits
+    forbid the ids beyond them)."""
+    rows = [i for i, a in enumerate(allowed) if a is not None]
+    vocab = logits.shape[1]
+    masks = np.zeros((len(rows), vocab), dtype=bool)
+    for j, i in enumerate(rows):
+        a = allowed[i]
+        masks[j, :min(vocab, a.shape[0])] = a[:vocab]
+    out = logits.clone() if copy else logits
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    out[index] = out[index].masked_fill(~torch.from_numpy(masks).to(logits.device), float("-inf"))
+    return out
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    grammar: str | None = None           # constrained decoding (see sits.engine.guided); None: free
+    grammar_prefix: list[int] = field(default_factory=list)   # tokens already produced under it (a resumed stream)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -81,6 +83,8 @@ class SamplingParams:
             raise bad("stop", "at most 16 stop strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar):
+            raise bad("grammar", "must be a non-empty string (made by sits.engine.guided)")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":

@@ -10,11 +10,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from sits.engine.block_pool import NO_HASH
 from sits.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from sits.engine.guided import Guide
 
 
 class SequenceStatus(enum.Enum):
@@ -47,6 +51,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    guide: Guide | None = None        # when params.grammar constrains the output
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

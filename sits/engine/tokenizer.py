@@ -21,6 +21,7 @@ import jinja2.sandbox
 import tokenizers
 
 from sits.engine.errors import ContextLengthExceededError, InvalidRequestError, ModelLoadError
+from sits.engine.tool_format import ToolSpec, messages_without_tool_support, template_supports_tools
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -144,12 +145,39 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
             if role != "assistant":
                 raise InvalidRequestError(f"{where}.content is required for role {role!r}",
                                           param=f"{where}.content", code="invalid_messages")
+            content = ""        # e.g. an assistant turn that only called tools
         elif not isinstance(content, str):
             raise InvalidRequestError(f"{where}.content must be a string or a list of text parts, "
                                       f"got {type(content).__name__}", param=f"{where}.content",
                                       code="invalid_messages")
-        normalized.append({**message, "content": content})
+        out = {**message, "content": content}
+        if role == "assistant" and message.get("tool_calls") is not None:
+            out["tool_calls"] = _normalize_tool_calls(message["tool_calls"], where)
+        normalized.append(out)
     return normalized
+
+
+def _normalize_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant turn's ``tool_calls``, with JSON-string arguments parsed (templates print
+    them with ``tojson``, and an already-encoded string would be quoted twice)."""
+    if not isinstance(calls, list):
+        raise InvalidRequestError(f"{where}.tool_calls must be a list", param=f"{where}.tool_calls",
+                                  code="invalid_messages")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]):
+            raise InvalidRequestError(f"{where}.tool_calls[{j}] must be {{'type': 'function', 'function': "
+                                      "{'name': ..., 'arguments': ...}}", param=f"{where}.tool_calls",
+                                      code="invalid_messages")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                pass        # rendered as the string it is
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
 
 
 _LENGTH_SLACK = 4     # normalizers may drop characters: refuse only text far beyond the bound
@@ -252,16 +280,26 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render OpenAI-style ``messages`` into the prompt text the model was trained on."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[ToolSpec] | None = None) -> str:
+        """Render OpenAI-style ``messages`` (and the ``tools`` on offer) into the prompt text the
+        model was trained on. A template that does not render tools itself gets them, and any tool
+        turns, rewritten in the Hermes format (see ``sits.engine.tool_format``)."""
         if self._compiled_template is None:
             raise InvalidRequestError("this model has no chat template; send a plain prompt to the "
                                       "completions endpoint instead", param="messages",
                                       code="no_chat_template")
         normalized = _normalize_messages(messages)
+        has_tool_turns = any(m.get("tool_calls") or m["role"] in ("tool", "function") for m in normalized)
+        offered = None
+        if tools or has_tool_turns:
+            if template_supports_tools(self.chat_template):
+                offered = [t.openai() for t in tools] if tools else None
+            else:
+                normalized = messages_without_tool_support(normalized, tools)
         try:
             return self._compiled_template.render(
-                messages=normalized, add_generation_prompt=add_generation_prompt, tools=None,
+                messages=normalized, add_generation_prompt=add_generation_prompt, tools=offered,
                 documents=None, bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                 pad_token=self.pad_token or "")
         except jinja2.TemplateError as e:

@@ -30,6 +30,9 @@ RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
 USAGE_INPUT = "gen_ai.usage.input_tokens"
 USAGE_OUTPUT = "gen_ai.usage.output_tokens"
 ERROR_TYPE = "error.type"
+TOOL_NAME = "gen_ai.tool.name"
+TOOL_CALL_ID = "gen_ai.tool.call.id"
+TOOL_TYPE = "gen_ai.tool.type"
 
 # SITS latency annotations
 LEVEL = "sits.latency_sensitivity_level"      # L1 (most sensitive) .. L4

@@ -49,9 +49,35 @@ PRESETS: dict[str, dict[str, int]] = {
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]  # ids 0..4
 BOS_ID, EOS_ID, PAD_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
 MAX_POSITIONS = 2048
+# ChatML, plus tools in the Hermes format (as Qwen2.5's template does): the tool list joins the
+# system turn, an assistant's calls are <tool_call> blocks, a tool's result is a user turn.
+TOOLS_PREAMBLE = ("# Tools\\n\\nYou may call one or more of these functions to answer. Their signatures, one per "
+                  "line:\\n<tools>")
+TOOLS_POSTAMBLE = ("\\n</tools>\\n\\nTo call one, write its name and arguments as JSON between tags:\\n"
+                   "<tool_call>\\n{\\\"name\\\": <function name>, \\\"arguments\\\": <arguments object>}\\n</tool_call>")
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '" + TOOLS_PREAMBLE + "' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '" + TOOLS_POSTAMBLE + "' + '<|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% if not loop.first or message['content'] %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' "
+    "+ (call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
