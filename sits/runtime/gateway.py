@@ -322,7 +322,10 @@ class UnitBackend:
                                 self.name, inst.id, rid, len(sent))
                     if left <= 0:
                         raise
-                    cur = Sequence(rid, seq.prompt_token_ids + sent, replace(seq.params, max_tokens=left),
+                    # a grammar resumes where it was: the tokens already sent are replayed into it
+                    resumed = replace(seq.params, max_tokens=left,
+                                      grammar_prefix=seq.params.grammar_prefix + sent if seq.params.grammar else [])
+                    cur = Sequence(rid, seq.prompt_token_ids + sent, resumed,
                                    priority=seq.priority, interactive=seq.interactive, arrival_time=seq.arrival_time)
                 finally:
                     inst.inflight -= 1
