@@ -291,6 +291,14 @@ def cmd_bench_tracing(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_guided(args: argparse.Namespace) -> int:
+    from sits.bench.guided_bench import run_guided_bench
+    r = run_guided_bench(args.model, concurrency=args.concurrency, rounds=args.rounds, max_tokens=args.max_tokens,
+                         threads=args.threads, json_out=args.json, docs_out=args.write_docs)
+    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}, indent=2))
+    return 0
+
+
 def cmd_bench_coldstart(args: argparse.Namespace) -> int:
     from sits.bench.coldstart_bench import run_coldstart_bench
     r = run_coldstart_bench(args.model, repeats=args.repeats, json_out=args.json, docs_out=args.write_docs,
@@ -411,6 +419,15 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--json", default=None)
     bt.add_argument("--write-docs", default=None)
     bt.set_defaults(func=cmd_bench_tracing)
+    bg = bench.add_parser("guided", help="tool-call grammar: mask overhead vs free decoding, jump-forward on vs off")
+    bg.add_argument("--model", required=True)
+    bg.add_argument("--concurrency", type=int, default=8)
+    bg.add_argument("--rounds", type=int, default=3)
+    bg.add_argument("--max-tokens", type=int, default=96)
+    bg.add_argument("--threads", type=int, default=None)
+    bg.add_argument("--json", default=None)
+    bg.add_argument("--write-docs", default=None)
+    bg.set_defaults(func=cmd_bench_guided)
     bp = bench.add_parser("prefetch", help="two-unit chain: TTFT of the second call with pre-warming on vs off")
     bp.add_argument("--model", required=True)
     bp.add_argument("--train", type=int, default=6)

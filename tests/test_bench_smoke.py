@@ -73,3 +73,13 @@ def test_tracing_bench_compares_off_and_on(tiny_model_dir, tmp_path):
     assert row["ttft_p50_ms_off"] > 0 and row["ttft_p50_ms_on"] > 0 and row["ttft_ratio"] > 0
     text = docs.read_text()
     assert DOC_BEGIN in text and "| 1 |" in text and "sits bench tracing" in text
+
+
+def test_guided_bench_compares_free_guided_and_jump_forward(tiny_model_dir, tmp_path):
+    from sits.bench.guided_bench import DOC_BEGIN as G_BEGIN, run_guided_bench
+    docs = tmp_path / "benchmarks.md"
+    r = run_guided_bench(tiny_model_dir, concurrency=2, rounds=1, max_tokens=64, threads=1,
+                         json_out=str(tmp_path / "g.json"), docs_out=str(docs))
+    assert r["free_ms_per_token"] > 0 and r["guided_ms_per_token"] > 0 and r["jf_wall_s"] > 0
+    assert json.loads((tmp_path / "g.json").read_text())["jump_forward_speedup"] == r["jump_forward_speedup"]
+    assert docs.read_text().count(G_BEGIN) == 1

@@ -1,4 +1,4 @@
-"""Property: any mix of arrivals, lengths, priorities and aborts ends with zero leaked KV blocks,
+"""Property: any mix of arrivals, lengths, priorities, grammars and aborts ends with zero leaked KV blocks,
 every request finished, and no deadlock — under both policies and a pool small enough to preempt."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sits.engine.guided import json_schema_grammar
 from sits.engine.sampling_params import SamplingParams
 
 request = st.tuples(st.integers(1, 60),            # prompt length
@@ -14,7 +15,14 @@ request = st.tuples(st.integers(1, 60),            # prompt length
                     st.integers(0, 6),             # arrival step
                     st.one_of(st.none(), st.integers(0, 12)),   # abort after this many steps
                     st.integers(-2, 2),            # explicit priority
-                    st.booleans())                 # interactive
+                    st.booleans(),                 # interactive
+                    st.booleans())                 # guided by a grammar (jump-forward appends forced tokens)
+
+# long forced runs (keys, punctuation) between free choices: jump-forward chunks under KV pressure
+GRAMMAR = json_schema_grammar({"type": "object", "properties": {
+    "a_rather_long_property_name": {"enum": ["first", "second"]},
+    "another_long_property_name": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["a_rather_long_property_name", "another_long_property_name"]})
 
 
 def _run(engine, reqs):
@@ -25,9 +33,10 @@ def _run(engine, reqs):
     step = 0
     while pending or engine.has_unfinished:
         while pending and pending[0][1][2] <= step:
-            i, (plen, mt, _, abort_at, prio, inter) = pending.pop(0)
+            i, (plen, mt, _, abort_at, prio, inter, guided) = pending.pop(0)
             seq = engine.add_request([(i * 17 + j) % (vocab - 5) + 5 for j in range(plen)],
-                                     SamplingParams(max_tokens=mt, temperature=0.0, ignore_eos=True),
+                                     SamplingParams(max_tokens=mt, temperature=0.0, ignore_eos=True,
+                                                    grammar=GRAMMAR if guided else None),
                                      priority=prio, interactive=inter, request_id=f"r{i}")
             added[seq.request_id] = (step, abort_at)
         for rid, (t, abort_at) in list(added.items()):

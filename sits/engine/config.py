@@ -137,6 +137,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 256    # per-step token budget (prefill chunks + decodes)
     policy: str = "pfsd"                 # "pfsd" (default) or "fcfs" (vLLM-style baseline)
     enable_prefix_caching: bool = True
+    guided_jump_forward: bool = True     # a grammar's forced tokens join the output without a step each
     min_decode_window: int = 1           # pfsd: decodes always get at least this many slots a step
     aging_per_s: float = 1.0             # pfsd: priority bonus per second waited (no starvation)
     warmup: bool = True                  # run multi-level warm-up at start

@@ -158,6 +158,14 @@ class Guide:
         if self.error is None and not self.matcher.consume_token(token_id):
             self.error = self.matcher.get_error() or f"token {token_id} is not allowed here"
 
+    def forced(self, limit: int) -> list[int]:
+        """Tokens the grammar allows no alternative to (at most ``limit``): jump-forward decoding
+        appends them at once, and the model computes them together in the next step, where it would
+        otherwise spend one step on each (``<tool_call>\n{"name": "`` is a dozen steps)."""
+        if self.error is not None or limit <= 0:
+            return []
+        return self.matcher.compute_ff_tokens()[:limit]
+
     @property
     def complete(self) -> bool:
         """The grammar admits nothing more: the output is whole and the sequence can end now."""

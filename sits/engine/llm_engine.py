@@ -238,41 +238,54 @@ class LLMEngine:
         events = []
         for j, seq in enumerate(seqs):
             req = self.requests[seq.request_id]
-            tok = result.token_ids[j]
-            seq.output_token_ids.append(tok)
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 self.report.mark_first_token()
-            seq.last_token_time = now
-            reason = None
-            if seq.guide is not None:
-                seq.guide.accept(tok)
-            if tok in req.stop_ids:
-                reason = FinishReason.STOP
-                text = ""
-            else:
-                text = req.detok.step(tok)
-                if req.detok.stopped or (seq.guide is not None and seq.guide.complete):
-                    reason = FinishReason.STOP
-            if reason is None and (len(seq.output_token_ids) >= seq.params.max_tokens
-                                   or seq.num_tokens >= self.max_model_len):
-                reason = FinishReason.LENGTH
-            if reason is not None:
-                text += req.detok.finish()
-                seq.finish_reason = reason
-                self.scheduler.remove(seq)
-                self.scheduler.model.observe_finished(len(seq.output_token_ids))
-                del self.requests[seq.request_id]
-            events.append(TokenEvent(
-                seq.request_id, tok, text, len(seq.output_token_ids) - 1,
-                logprob=result.logprobs[j] if result.logprobs is not None and seq.params.logprobs is not None else None,
-                top_logprobs=(result.top_logprobs[j] if result.top_logprobs is not None and seq.params.logprobs
-                              else None),
-                finished=reason is not None, finish_reason=reason.value if reason else None,
-                num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids),
-                num_cached_tokens=seq.num_cached_tokens, arrival_time=seq.arrival_time,
-                first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time, time=now))
+            ev = self._emit(seq, req, result.token_ids[j], now,
+                            result.logprobs[j] if result.logprobs is not None and seq.params.logprobs is not None else None,
+                            result.top_logprobs[j] if result.top_logprobs is not None and seq.params.logprobs else None)
+            events.append(ev)
+            # jump-forward (not for logprobs requests: a forced token has no distribution to report)
+            if seq.guide is not None and not ev.finished and self.cfg.guided_jump_forward and seq.params.logprobs is None:
+                room = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens,
+                           self.cfg.max_num_batched_tokens // 4)      # a forced run stays a small part of a step
+                for tok in seq.guide.forced(room):
+                    events.append(ev := self._emit(seq, req, tok, now, None, None))
+                    seq.num_forced += 1
+                    if ev.finished:
+                        break
         return events
+
+    def _emit(self, seq: Sequence, req: _Request, tok: int, now: float, logprob: float | None,
+              top_logprobs: list[tuple[int, float]] | None) -> TokenEvent:
+        """Append one token to ``seq``: its text delta, and the end of the request if it is one."""
+        seq.output_token_ids.append(tok)
+        seq.last_token_time = now
+        reason = None
+        if seq.guide is not None:
+            seq.guide.accept(tok)
+        if tok in req.stop_ids:
+            reason = FinishReason.STOP
+            text = ""
+        else:
+            text = req.detok.step(tok)
+            if req.detok.stopped or (seq.guide is not None and seq.guide.complete):
+                reason = FinishReason.STOP
+        if reason is None and (len(seq.output_token_ids) >= seq.params.max_tokens
+                               or seq.num_tokens >= self.max_model_len):
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            text += req.detok.finish()
+            seq.finish_reason = reason
+            self.scheduler.remove(seq)
+            self.scheduler.model.observe_finished(len(seq.output_token_ids))
+            del self.requests[seq.request_id]
+        return TokenEvent(
+            seq.request_id, tok, text, len(seq.output_token_ids) - 1, logprob=logprob, top_logprobs=top_logprobs,
+            finished=reason is not None, finish_reason=reason.value if reason else None,
+            num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids),
+            num_cached_tokens=seq.num_cached_tokens, arrival_time=seq.arrival_time,
+            first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time, time=now)
 
     # -- conveniences ---------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -114,6 +114,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         self._free(seq)
+        seq.num_forced = 0                 # recomputed as prefill
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -227,15 +228,16 @@ class Scheduler:
         for seq in decodes[:window]:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            while not self._grow(seq, 1):
+            n = seq.num_remaining          # 1, or 1 + the tokens a grammar forced (jump-forward)
+            while not self._grow(seq, n):
                 victim = self._lowest_priority(now)
                 self._preempt(victim, batch)
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
                 batch.seqs.append(seq)
-                batch.num_new.append(1)
-                budget -= 1
+                batch.num_new.append(n)
+                budget -= n
 
         # Prefill lane: running partial prefills and waiting requests compete in RAAP order.
         partial = [s for s in self.running if s.is_prefill and s.status is SequenceStatus.RUNNING]
@@ -278,6 +280,8 @@ class Scheduler:
         bs = self.pool.block_size
         for seq, n in zip(batch.seqs, batch.num_new):
             seq.num_computed_tokens += n
+            if seq.num_forced:
+                seq.num_forced = max(0, min(seq.num_forced, seq.num_remaining - 1))
             full = seq.num_computed_tokens // bs
             if len(seq.block_hashes) < full:
                 tokens = seq.all_token_ids

@@ -52,6 +52,7 @@ class Sequence:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     guide: Guide | None = None        # when params.grammar constrains the output
+    num_forced: int = 0               # output tokens appended by jump-forward, not computed yet
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -80,7 +81,9 @@ class Sequence:
 
     @property
     def is_prefill(self) -> bool:
-        return self.num_remaining > 1 or not self.output_token_ids
+        """Prompt (or recompute) work; a stream with jump-forward tokens to compute is decoding."""
+        return (not self.output_token_ids or self.num_computed_tokens < len(self.prompt_token_ids)
+                or self.num_remaining > 1 + self.num_forced)
 
     @property
     def parent_hash(self) -> int:
