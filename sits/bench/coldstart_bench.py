@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from sits.bench.common import bench_command, log, start_sits, stop_sits, wait_until, write_docs, write_json
+from sits.bench.common import log, publish, start_sits, stop_sits, wait_until
 
 DOC_BEGIN = "<!-- sits bench coldstart: begin -->"
 DOC_END = "<!-- sits bench coldstart: end -->"
@@ -113,10 +113,7 @@ def run_coldstart_bench(model_dir: str, *, repeats: int = 5, json_out: str | Non
         "sits_warm_runs_ms": warm, "phases_ms": med_phases})
     result["ratio_cold_vs_naive"] = result["sits_cold_ms"] / result["naive_ms"] if naive else None
     result["ratio_cold_vs_warm"] = result["sits_cold_ms"] / result["sits_warm_ms"]
-    write_json(json_out, result)
-    if docs_out:
-        write_docs(Path(docs_out), _markdown(result, bench_command("coldstart")), DOC_BEGIN, DOC_END)
-    return result
+    return publish(result, "coldstart", _markdown, DOC_BEGIN, DOC_END, json_out, docs_out)
 
 
 def _markdown(r: dict, command: str) -> str:

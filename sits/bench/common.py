@@ -43,6 +43,16 @@ def write_json(path: str | Path | None, obj) -> None:
         Path(path).write_text(json.dumps(obj, indent=2))
 
 
+def publish(result: dict, name: str, markdown, begin: str, end: str, json_out: str | None,
+            docs_out: str | None) -> dict:
+    """A finished benchmark's result to its JSON file and its docs section (``markdown(result,
+    command)``), where asked; returns the result."""
+    write_json(json_out, result)
+    if docs_out:
+        write_docs(Path(docs_out), markdown(result, bench_command(name)), begin, end)
+    return result
+
+
 def write_docs(path: Path, section: str, begin: str, end: str) -> None:
     """Replace this benchmark's section (between its markers) or append it; other sections stay."""
     text = path.read_text() if path.exists() else DOC_HEADER

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
 
-from sits.bench.common import bench_command, log, pct, write_docs, write_json
+from sits.bench.common import log, pct, publish
 from sits.engine.config import EngineConfig
 from sits.engine.llm_engine import LLMEngine
 from sits.engine.sampling_params import SamplingParams
@@ -89,10 +88,7 @@ def run_guided_bench(model_dir: str, *, concurrency: int = 8, rounds: int = 3, m
     result["mask_overhead_ratio"] = result["guided_ms_per_token"] / result["free_ms_per_token"]
     result["jump_forward_speedup"] = result["guided_wall_s"] / result["jf_wall_s"]
     result["jf_vs_free_wall_ratio"] = result["jf_wall_s"] / result["free_wall_s"]
-    write_json(json_out, result)
-    if docs_out:
-        write_docs(Path(docs_out), _markdown(result, bench_command("guided")), DOC_BEGIN, DOC_END)
-    return result
+    return publish(result, "guided", _markdown, DOC_BEGIN, DOC_END, json_out, docs_out)
 
 
 def _markdown(r: dict, command: str) -> str:

@@ -5,9 +5,8 @@ network), the same workload against both in one run, TTFT and server overhead as
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-from sits.bench.common import bench_command, log, start_sits, stop_sits, write_docs, write_json
+from sits.bench.common import log, publish, start_sits, stop_sits
 from sits.bench.serve_bench import sweep
 
 DOC_BEGIN = "<!-- sits bench tracing: begin -->"
@@ -42,10 +41,7 @@ def run_tracing_bench(model_dir: str, *, concurrency: list[int], repeats: int, r
             f"(x{row['ttft_ratio']:.3f}); server overhead +{row['overhead_delta_ms']:.2f} ms")
     result = {"model": model_dir, "engine": engine, "rounds": rounds, "repeats": repeats, "table": table,
               "host": f"{os.cpu_count()} CPU cores, client and server on the same host"}
-    write_json(json_out, result)
-    if docs_out:
-        write_docs(Path(docs_out), _markdown(result, bench_command("tracing")), DOC_BEGIN, DOC_END)
-    return result
+    return publish(result, "tracing", _markdown, DOC_BEGIN, DOC_END, json_out, docs_out)
 
 
 def _markdown(r: dict, command: str) -> str:
