@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from sits import __version__
-from sits.api import memory_routes, openai_routes, session_routes, sits_routes, tool_routes
+from sits.api import embedding_routes, memory_routes, openai_routes, session_routes, sits_routes, tool_routes
 from sits.api.backend import BackendRegistry
 from sits.api.context import ServerContext, ServerSettings
 from sits.api.edge import EdgeMiddleware
@@ -96,6 +96,7 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
     app.include_router(session_routes.router)
     app.include_router(tool_routes.router)
     app.include_router(memory_routes.router)
+    app.include_router(embedding_routes.router)
 
     @app.get("/health", tags=["ops"])
     async def health() -> dict[str, Any]:

@@ -6,10 +6,13 @@ same interface per unit (instances behind it), so both dialects work unchanged t
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
 from typing import Protocol
+
+import numpy as np
 
 from sits.api.errors import ModelNotFoundError, ServiceUnavailableError, clip
 from sits.engine.async_engine import AsyncEngine
@@ -43,6 +46,9 @@ class Backend(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    async def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        """Unit vectors of the model's mean-pooled hidden states, one row per token-id list."""
+
 
 class EngineBackend:
     """An in-process AsyncEngine under a served name."""
@@ -73,6 +79,9 @@ class EngineBackend:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    async def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        return await asyncio.to_thread(self.engine.engine.embed, inputs)
 
 
 class BackendRegistry:

@@ -11,6 +11,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from itertools import count
 
+import numpy as np
 import torch
 
 from sits.engine.block_pool import BlockPool
@@ -302,6 +303,37 @@ class LLMEngine:
             return torch.cuda.utilization(self.device) / 100.0     # needs NVML (pynvml); None without it
         except Exception:  # noqa: BLE001 - no NVML, or a device it cannot see
             return None
+
+    def embed(self, inputs: list[list[int]], batch_tokens: int = 4096) -> np.ndarray:
+        """Unit vectors [n, hidden] for token-id lists: the mean of the model's final hidden states
+        over each input (the fallback embedder of vector memory, and ``/v1/embeddings``). Runs the
+        dense path, not the KV pool, so it never competes with serving for blocks; inputs are
+        batched by length, right-padded (causal attention: padding changes nothing before it)."""
+        for ids in inputs:
+            if not ids or len(ids) > self.max_model_len:
+                raise InvalidRequestError(f"each input must have 1..{self.max_model_len} tokens, got {len(ids)}",
+                                          param="input", code="invalid_input")
+        out = np.zeros((len(inputs), self.model_config.hidden_size), dtype=np.float32)
+        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
+        pad = self.tokenizer.pad_token_id or 0
+        with torch.inference_mode():
+            start = 0
+            while start < len(order):
+                end = start + 1
+                while end < len(order) and (end - start + 1) * len(inputs[order[end]]) <= batch_tokens:
+                    end += 1
+                rows = order[start:end]
+                width = max(len(inputs[i]) for i in rows)
+                ids = torch.full((len(rows), width), pad, dtype=torch.long)
+                mask = torch.zeros((len(rows), width, 1), dtype=torch.float32)
+                for r, i in enumerate(rows):
+                    ids[r, :len(inputs[i])] = torch.tensor(inputs[i])
+                    mask[r, :len(inputs[i])] = 1.0
+                h = self.model.hidden_dense(ids.to(self.device)).float().cpu()
+                mean = (h * mask).sum(1) / mask.sum(1)
+                out[rows] = torch.nn.functional.normalize(mean, dim=-1).numpy()
+                start = end
+        return out
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  ) -> list[dict]:

@@ -34,7 +34,8 @@ def chunks(text: str, chunk_chars: int) -> list[str]:
     return out
 
 
-def ingest_dir(store: MemoryStore, set_name: str, root: str | Path, chunk_chars: int = 600) -> dict:
+def ingest_dir(store: MemoryStore, set_name: str, root: str | Path, chunk_chars: int = 600, *,
+               embedder: str | None = None) -> dict:
     root = Path(root).resolve()
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory")
@@ -53,6 +54,6 @@ def ingest_dir(store: MemoryStore, set_name: str, root: str | Path, chunk_chars:
     for h in stale:
         store.forget(set_name, h.id)
     new = [v for key, v in wanted.items() if key not in have]
-    store.add(set_name, [v["text"] for v in new], [v["meta"] for v in new])
+    store.add(set_name, [v["text"] for v in new], [v["meta"] for v in new], embedder=embedder)
     return {"set": set_name, "files": len({v["meta"]["source"] for v in wanted.values()}), "chunks": len(wanted),
             "added": len(new), "forgotten": len(stale), "unchanged": len(wanted) - len(new)}

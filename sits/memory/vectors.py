@@ -58,12 +58,24 @@ def memory_id(text_id: str | int) -> int:
     return int(s)
 
 
+class EmbedderUnavailableError(SitsError):
+    code = "embedder_unavailable"
+    http_status = 503
+
+
+DEFAULT_EMBEDDER = "minilm"
+
+
 class MemoryStore:
+    """Memory sets in one SQLite file. Each set keeps the embedder it was first written with
+    (vectors of two embedders are not comparable): the default MiniLM, or another registered by
+    name, such as a unit's own model (``unit:<name>``, mean-pooled hidden states)."""
+
     def __init__(self, path: str | Path, embed):
-        """``embed(texts) -> array [n, d]`` of unit vectors (e.g. ``MiniLMEmbedder.embed``)."""
+        """``embed(texts) -> array [n, d]`` of unit vectors (e.g. ``MiniLMEmbedder.embed``): the default."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._embed = embed
+        self._embedders = {DEFAULT_EMBEDDER: embed}
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript("""
@@ -77,6 +89,7 @@ class MemoryStore:
                 relation TEXT NOT NULL, at REAL NOT NULL, score REAL);
             CREATE INDEX IF NOT EXISTS chain_response ON chain (response_id);
             CREATE INDEX IF NOT EXISTS chain_memory ON chain (memory_id);
+            CREATE TABLE IF NOT EXISTS set_embedders (set_name TEXT PRIMARY KEY, embedder TEXT NOT NULL);
         """)
         self._lock = threading.Lock()
 
@@ -84,12 +97,43 @@ class MemoryStore:
     def _now(at: float | None = None) -> float:
         return time.time() if at is None else at
 
+    # -- embedders -----------------------------------------------------------------------------------
+    def register_embedder(self, name: str, embed) -> None:
+        """``embed(texts) -> [n, d]`` unit vectors under ``name``; None removes it (its sets then
+        answer 503 ``embedder_unavailable`` until it is back)."""
+        if embed is None:
+            self._embedders.pop(name, None)
+        else:
+            self._embedders[name] = embed
+
+    def embedder_of(self, set_name: str) -> str:
+        with self._lock:
+            row = self._db.execute("SELECT embedder FROM set_embedders WHERE set_name = ?", (set_name,)).fetchone()
+        return row[0] if row else DEFAULT_EMBEDDER
+
+    def _embed(self, set_name: str, texts: list[str], requested: str | None = None) -> np.ndarray:
+        with self._lock:
+            row = self._db.execute("SELECT embedder FROM set_embedders WHERE set_name = ?", (set_name,)).fetchone()
+            if row is None and requested is not None:
+                self._db.execute("INSERT OR IGNORE INTO set_embedders VALUES (?, ?)", (set_name, requested))
+        name = row[0] if row else (requested or DEFAULT_EMBEDDER)
+        if requested is not None and requested != name:
+            raise InvalidRequestError(f"memory set {set_name!r} is embedded with {name!r}, not {requested!r}; "
+                                      "use another set (vectors of two embedders are not comparable)",
+                                      param="embedder", code="embedder_mismatch")
+        embed = self._embedders.get(name)
+        if embed is None:
+            raise EmbedderUnavailableError(f"memory set {set_name!r} is embedded with {name!r}, which is not "
+                                           "available now (its unit is not deployed)", param="embedder")
+        return np.asarray(embed(texts), dtype=np.float32)
+
     # -- writing -------------------------------------------------------------------------------------
     def add(self, set_name: str, texts: list[str], metas: list[dict] | None = None, *,
-            at: float | None = None, response_id: str | None = None) -> list[int]:
+            at: float | None = None, response_id: str | None = None, embedder: str | None = None) -> list[int]:
+        """``embedder``: the set's embedder (checked against it; a new set takes it, default MiniLM)."""
         if not texts:
             return []
-        vecs = np.asarray(self._embed(texts), dtype=np.float32)
+        vecs = self._embed(set_name, texts, embedder)
         now = self._now(at)
         metas = metas or [{} for _ in texts]
         ids = []
@@ -136,7 +180,7 @@ class MemoryStore:
             rows = self._alive(set_name, at)
         if not rows:
             return []
-        q = np.asarray(self._embed([query]), dtype=np.float32)[0]
+        q = self._embed(set_name, [query])[0]
         mat = np.stack([np.frombuffer(r[2], dtype=np.float32) for r in rows])
         scores = mat @ q
         order = np.argsort(-scores)[:max(1, k)]
@@ -155,7 +199,9 @@ class MemoryStore:
         with self._lock:
             rows = self._db.execute("SELECT set_name, COUNT(*), SUM(deleted_at IS NULL), MAX(created_at) "
                                     "FROM memories GROUP BY set_name ORDER BY set_name").fetchall()
-        return [{"set": r[0], "memories": r[2], "ever": r[1], "updated_at": r[3]} for r in rows]
+            embedders = dict(self._db.execute("SELECT set_name, embedder FROM set_embedders").fetchall())
+        return [{"set": r[0], "memories": r[2], "ever": r[1], "updated_at": r[3],
+                 "embedder": embedders.get(r[0], DEFAULT_EMBEDDER)} for r in rows]
 
     # -- time slices ---------------------------------------------------------------------------------
     def snapshot(self, set_name: str, name: str, *, at: float | None = None) -> dict:

@@ -15,9 +15,12 @@ import collections
 import logging
 import os
 import time
+import uuid
 from dataclasses import asdict, replace
 from collections.abc import AsyncIterator
 from pathlib import Path
+
+import numpy as np
 
 from sits.engine.config import ModelConfig
 from sits.engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestAbortedError, SitsError
@@ -357,6 +360,22 @@ class UnitBackend:
         if backend is not None:
             backend.abort(request_id, err)
 
+    async def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        """Mean-pooled hidden states from one of this unit's instances (a cold unit starts one)."""
+        rid = f"embed-{uuid.uuid4().hex[:12]}"
+        probe = Sequence(rid, max(inputs, key=len), SamplingParams(max_tokens=1))
+        self.idle_since = None
+        inst, _ = await self._acquire(rid, probe, [], None)
+        inst.inflight += 1
+        self.inflight += 1
+        try:
+            return await inst.backend.embed(inputs)
+        finally:
+            inst.inflight -= 1
+            self.inflight -= 1
+            if not self.inflight and not self.waiting:
+                self.idle_since = time.monotonic()
+
     def session_instance(self, session_id: str) -> str | None:
         """Where the session's last request ran (recorded in the session for affinity)."""
         return self.router.instance_of(session_id)
@@ -422,6 +441,25 @@ class UnitBackend:
         }
 
 
+def unit_embedder_name(unit: str) -> str:
+    return f"unit:{unit}"
+
+
+class _UnitEmbedder:
+    """Vector memory's embedder for a unit's set: the unit's own model (mean-pooled hidden states),
+    called from memory's worker threads and run on the gateway's event loop (a cold unit starts)."""
+
+    TIMEOUT_S = 600.0
+
+    def __init__(self, backend: "UnitBackend", loop: asyncio.AbstractEventLoop):
+        self.backend, self.loop = backend, loop
+
+    def __call__(self, texts: list[str]) -> np.ndarray:
+        tok, limit = self.backend.tokenizer, self.backend.max_model_len
+        ids = [(tok.encode(t) or [tok.eos_token_ids[0] if tok.eos_token_ids else 0])[:limit] for t in texts]
+        return asyncio.run_coroutine_threadsafe(self.backend.embed(ids), self.loop).result(self.TIMEOUT_S)
+
+
 class Gateway:
     def __init__(self, data_dir: str | Path, *, tick_s: float = 1.0, zygote: bool = True,
                  prefetch: bool = True, prefetch_threshold: float = 0.85):
@@ -465,27 +503,45 @@ class Gateway:
     async def deploy(self, spec: UnitSpec, *, persist: bool = True) -> UnitBackend:
         old = self.units.get(spec.name)
         backend = await asyncio.to_thread(UnitBackend, spec, self)
-        if spec.memory is not None and spec.memory.ingest:
-            try:
-                backend.ingested = await asyncio.to_thread(ingest_dir, self.memory, spec.memory.set,
-                                                           spec.memory.ingest, spec.memory.chunk_chars)
-            except OSError as e:
-                raise InvalidRequestError(f"unit {spec.name}: memory.ingest: {e}", param="memory.ingest",
-                                          code="ingest_failed") from None
-            self.record(spec.name, "ingested", backend.ingested)
+        # a set embedded by the unit's own model can only be ingested once the unit can run
+        own_embedder = spec.memory is not None and spec.memory.embedder == "unit"
+        if not own_embedder:
+            await self._ingest(backend)
         if old is not None:
             await self.undeploy(spec.name, persist=False)
         self.units[spec.name] = backend
         if self.zygote is not None and self.zygote.alive:
             self.zygote.preload(asdict(spec.engine_config()))
+        backend.tick(time.monotonic())           # min_instances start now
+        if own_embedder:
+            self.memory.register_embedder(unit_embedder_name(spec.name),
+                                          _UnitEmbedder(backend, asyncio.get_running_loop()))
+            try:
+                await self._ingest(backend)
+            except SitsError:
+                await self.undeploy(spec.name, persist=False)
+                raise
         if persist:
             self.store.put(spec)
         self.record(spec.name, "deployed", {"model": spec.model})
-        backend.tick(time.monotonic())           # min_instances start now
         return backend
+
+    async def _ingest(self, backend: UnitBackend) -> None:
+        mem = backend.spec.memory
+        if mem is None or not mem.ingest:
+            return
+        embedder = unit_embedder_name(backend.name) if mem.embedder == "unit" else None
+        try:
+            backend.ingested = await asyncio.to_thread(ingest_dir, self.memory, mem.set, mem.ingest,
+                                                       mem.chunk_chars, embedder=embedder)
+        except OSError as e:
+            raise InvalidRequestError(f"unit {backend.name}: memory.ingest: {e}", param="memory.ingest",
+                                      code="ingest_failed") from None
+        self.record(backend.name, "ingested", backend.ingested)
 
     async def undeploy(self, name: str, *, persist: bool = True) -> bool:
         backend = self.units.pop(name, None)
+        self.memory.register_embedder(unit_embedder_name(name), None)
         if persist:
             self.store.delete(name)
         if backend is None:

@@ -10,6 +10,7 @@ dispatches each step's events to per-request queues. If the process dies, every 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -19,6 +20,8 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
+
+import numpy as np
 
 from sits.engine.config import EngineConfig
 from sits.engine.errors import DuplicateRequestError, EngineDeadError, ModelLoadError, RequestAbortedError, SitsError
@@ -55,6 +58,8 @@ class InstanceBackend:
         self._reader, self._writer = reader, writer
         self._sock_dir = sock_dir
         self._streams: dict[str, asyncio.Queue] = {}
+        self._embeds: dict[str, asyncio.Future] = {}
+        self._embed_ids = itertools.count()
         self._stats: EngineStats | None = None
         self._dead: str | None = None
         self._closing = False
@@ -158,6 +163,19 @@ class InstanceBackend:
             if not finished:
                 self._send(("abort", rid))
 
+    async def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        """Mean-pooled hidden states, computed by the instance between two engine steps."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the instance of {self.name} is gone: {self._dead}")
+        rid = f"embed-{next(self._embed_ids)}"
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._embeds[rid] = fut
+        try:
+            self._send(("embed", rid, inputs))
+            return await fut
+        finally:
+            self._embeds.pop(rid, None)
+
     def abort(self, request_id: str, error: SitsError | None = None) -> None:
         self._send(("abort", request_id))
         q = self._streams.pop(request_id, None)
@@ -216,6 +234,10 @@ class InstanceBackend:
                         self._stats = msg[2]
                 elif kind == "stats":
                     self._stats = msg[1]
+                elif kind == "embedded":
+                    fut = self._embeds.get(msg[1])
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg[2])
                 elif kind == "pong":
                     self.last_pong = time.monotonic()
                     self._ping_sent = None
@@ -224,6 +246,8 @@ class InstanceBackend:
                     q = self._streams.get(rid)
                     if q is not None:
                         q.put_nowait(_remote_error(code, message, param, status))
+                    elif (fut := self._embeds.get(rid)) is not None and not fut.done():
+                        fut.set_exception(_remote_error(code, message, param, status))
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
             reason = "the instance process exited" if isinstance(e, asyncio.IncompleteReadError) else repr(e)
         except asyncio.CancelledError:
@@ -235,3 +259,6 @@ class InstanceBackend:
             err = EngineDeadError(f"the instance of {self.name} died: {reason}")
             for q in self._streams.values():
                 q.put_nowait(err)
+            for fut in self._embeds.values():
+                if not fut.done():
+                    fut.set_exception(err)

@@ -118,6 +118,12 @@ def _loop(engine, conn: socket.socket) -> int:
                         engine.enqueue(seq)
                     except SitsError as e:
                         send_blocking(conn, ("error", rid, e.code, e.message, e.param, e.http_status))
+                elif kind == "embed":           # between steps: the model is this loop's alone
+                    _, rid, inputs = msg
+                    try:
+                        send_blocking(conn, ("embedded", rid, engine.embed(inputs)))
+                    except SitsError as e:
+                        send_blocking(conn, ("error", rid, e.code, e.message, e.param, e.http_status))
                 elif kind == "abort":
                     engine.abort(msg[1])
                 elif kind == "ping":

@@ -100,6 +100,8 @@ class MemorySpec(_Strict):
     ingest: str | None = Field(None, description="a folder of .md/.txt documents indexed at deploy (relative to the YAML)")
     chunk_chars: int = Field(600, ge=50, le=20_000)
     top_k: int = Field(4, ge=1, le=32, description="memories placed in front of each question")
+    embedder: Literal["minilm", "unit"] = Field(
+        "minilm", description="minilm (all-MiniLM-L6-v2, offline) or unit: this unit's own model, mean-pooled")
 
 
 class UnitSpec(_Strict):

@@ -248,8 +248,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Training/parity path. input_ids: [B, L] -> logits [B, L, vocab] (float32)."""
+    def hidden_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [B, L] -> the final (normed) hidden states [B, L, hidden], no cache. Causal, so
+        right padding never changes the positions before it."""
         b, l = input_ids.shape
         h = self.model.embed_tokens(input_ids)
         positions = torch.arange(l, device=input_ids.device).expand(b, l)
@@ -257,4 +258,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             h = h + layer.self_attn.forward_dense(layer.input_layernorm(h), cos, sin)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.compute_logits(self.model.norm(h))
+        return self.model.norm(h)
+
+    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Training/parity path. input_ids: [B, L] -> logits [B, L, vocab] (float32)."""
+        return self.compute_logits(self.hidden_dense(input_ids))

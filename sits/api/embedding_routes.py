@@ -1,0 +1,78 @@
+"""``POST /v1/embeddings`` (OpenAI): vectors from a served model's mean-pooled hidden states, or
+from the MiniLM that vector memory uses (``model: "all-minilm-l6-v2"``), so a client can compare
+its own vectors with the memory's."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Literal
+
+import numpy as np
+from fastapi import APIRouter, Request
+from pydantic import Field
+
+from sits.api.context import context_of
+from sits.api.errors import ErrorResponse
+from sits.api.protocol import _Request
+from sits.engine.errors import ContextLengthExceededError, InvalidRequestError
+
+router = APIRouter(tags=["openai"])
+
+MINILM = "all-minilm-l6-v2"
+MAX_INPUTS = 256
+
+
+class EmbeddingRequest(_Request):
+    model: str = Field(..., min_length=1, description=f'a served model, or "{MINILM}" (the memory embedder)')
+    input: str | list[str] | list[int] | list[list[int]] = Field(..., description="text(s) or token ids")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = Field(None, max_length=256)
+
+
+def _inputs(body: EmbeddingRequest) -> list[str | list[int]]:
+    x = body.input
+    items: list = [x] if isinstance(x, str) else ([x] if x and all(isinstance(t, int) for t in x) else list(x))
+    if not items or any(not i for i in items):
+        raise InvalidRequestError("input must be non-empty (and so must each of its items)", param="input",
+                                  code="invalid_input")
+    if len(items) > MAX_INPUTS:
+        raise InvalidRequestError(f"{len(items)} inputs; at most {MAX_INPUTS} per request", param="input",
+                                  code="invalid_input")
+    return items
+
+
+@router.post("/v1/embeddings", responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}})
+async def create_embeddings(body: EmbeddingRequest, request: Request):
+    ctx = context_of(request)
+    items = _inputs(body)
+    if body.model == MINILM:
+        if not all(isinstance(i, str) for i in items):
+            raise InvalidRequestError(f"{MINILM} takes text, not token ids", param="input", code="invalid_input")
+        from sits.memory.embedder import shared_embedder
+        embedder = await asyncio.to_thread(shared_embedder)
+        vectors = (await asyncio.to_thread(embedder.embed, items)).numpy()
+        tokens = sum(len(e.ids) for e in embedder.tokenizer.encode_batch(items))
+    else:
+        backend = ctx.registry.get(body.model)
+        ids = []
+        for i, item in enumerate(items):
+            toks = backend.tokenizer.encode(item, max_tokens=backend.max_model_len) if isinstance(item, str) else item
+            if len(toks) > backend.max_model_len:
+                raise ContextLengthExceededError(f"input[{i}] has {len(toks)} tokens; this model reads at most "
+                                                 f"{backend.max_model_len}", param="input")
+            if not all(0 <= t < backend.tokenizer.vocab_size for t in toks):
+                raise InvalidRequestError(f"input[{i}]: token ids must be in [0, {backend.tokenizer.vocab_size})",
+                                          param="input", code="invalid_token_id")
+            ids.append(toks)
+        vectors = np.asarray(await backend.embed(ids), dtype=np.float32)
+        tokens = sum(len(t) for t in ids)
+    if body.dimensions is not None and body.dimensions != vectors.shape[1]:
+        raise InvalidRequestError(f"{body.model} gives {vectors.shape[1]} dimensions; it cannot shorten them",
+                                  param="dimensions", code="invalid_parameter")
+    data = [{"object": "embedding", "index": i,
+             "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if body.encoding_format == "base64"
+             else v.tolist()} for i, v in enumerate(vectors)]
+    return {"object": "list", "data": data, "model": body.model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
