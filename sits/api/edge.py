@@ -140,7 +140,8 @@ class EdgeMiddleware:
                 except ValueError:
                     return await reply(400, "Content-Length is not a number", "invalid_request")
             try:
-                body = await asyncio.wait_for(self._read_body(receive, limit), self.body_timeout_s())
+                async with asyncio.timeout(self.body_timeout_s()):     # no extra task, unlike wait_for
+                    body = await self._read_body(receive, limit)
             except _TooLarge:
                 return await reply(413, f"request body exceeds the limit of {limit} bytes", "payload_too_large",
                                    [(b"connection", b"close")])

@@ -431,6 +431,7 @@ async def _sse_body(gen: Generation, events: AsyncIterator[tuple[int, TokenEvent
     prev_time: dict[int, float] = {}
     started = time.monotonic()
     error: str | None = None
+    head = b""
     try:
         opening = chunks.opening()
         if meta is not None and first is not None:
@@ -441,8 +442,8 @@ async def _sse_body(gen: Generation, events: AsyncIterator[tuple[int, TokenEvent
             opening = [meta.tag(opening[0], "queue", sched - gen.accepted_at,
                                 validate_us=round((gen.prepared_at - gen.accepted_at) * 1e6))] + [
                 meta.tag(c, "queue", 0.0) for c in opening[1:]]
-        for c in opening:
-            yield sse_data(c)
+        # the opening chunks leave with the first token's (one write, one read for the client)
+        head = b"".join(sse_data(c) for c in opening)
         pending = [first] if first is not None else []
 
         async def all_events():
@@ -464,7 +465,13 @@ async def _sse_body(gen: Generation, events: AsyncIterator[tuple[int, TokenEvent
                 else:
                     meta.tag(c, "decode", ev.time - prev_time[i])
             prev_time[i] = ev.time
-            yield sse_data(c)
+            if head:
+                yield head + sse_data(c)
+                head = b""
+            else:
+                yield sse_data(c)
+        if head:
+            yield head
         if chunks.include_usage:
             u = chunks.usage()
             if meta is not None:
@@ -473,7 +480,7 @@ async def _sse_body(gen: Generation, events: AsyncIterator[tuple[int, TokenEvent
         await _remember(turn, gen)
     except SitsError as e:  # e.g. the server is draining: tell the client why the stream ends
         error = e.code
-        yield sse_data({"error": sits_error_as_dict(e)})
+        yield head + sse_data({"error": sits_error_as_dict(e)})
     finally:
         await events.aclose()
         _trace_response(gen, chunks)
