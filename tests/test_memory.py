@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import httpx
+import openai
 import pytest
 import torch
 
@@ -112,6 +113,19 @@ def test_memory_over_http_and_memory_ref(mem_server):
     v = finished(url, httpx.post(url + "/v1/requests", json={"prompt": "x", "memory_ref": "nothing-here"}).json()["id"])
     assert v["state"] == "REJECTED" and v["error"]["code"] == "memory_not_found"
     assert httpx.get(url + "/v1/memory").json()["data"][0]["set"] == "kb"
+    # the OpenAI dialect takes memory_ref too (an extension field): citations at the top level
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": "When does the backup run?"}], max_tokens=2,
+        extra_body={"memory_ref": "kb"})
+    body = raw.http_response.json()
+    # (the remembered Q/A about the backup is as close as the document now)
+    assert {"source": "doc3.txt"} in [c["meta"] for c in body["citations"][:2]] and "warning" not in raw.headers
+    assert any(r["response"] == body["id"] for r in httpx.get(f"{url}/v1/memory/{ids[3]}/chain").json()["retrieved_by"])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       extra_body={"memory_ref": "nothing-here"})
+    assert e.value.body["code"] == "memory_not_found"
 
 
 def test_memory_needs_a_data_dir(serve_tiny):

@@ -171,3 +171,36 @@ def _elapsed(call) -> float:
     with pytest.raises(ToolError):
         call()
     return time.monotonic() - t0
+
+
+def test_the_runner_kills_a_call_blocked_inside_wasi_and_keeps_serving(registry, data):
+    """A module asleep in poll_oneoff is beyond epoch interruption; its worker process is not."""
+    import asyncio
+    from sits.tools import ToolRunner
+
+    async def scenario():
+        runner = ToolRunner()
+        try:
+            ok = await runner.run(registry.resolve("math.eval@^1"), {"expression": "6*7"})
+            assert ok.output.strip() == "42" and ok.ref == "math.eval@1.0.0"
+            first_pid = runner.pids()[0]
+            t0 = time.monotonic()
+            with pytest.raises(ToolError) as e:
+                await runner.run(registry.resolve("test.sleep"), {})          # timeout_ms 300, sleeps 60 s
+            assert e.value.code == "tool_timeout" and time.monotonic() - t0 < 3
+            assert runner.killed == 1
+            await asyncio.sleep(0.2)
+            with pytest.raises(ProcessLookupError):
+                os.kill(first_pid, 0)                                          # the blocked worker is gone
+            with pytest.raises(ToolError) as e:                                 # errors cross the process boundary
+                await runner.run(registry.resolve("file.read@^1.2"), {"path": "/data/../etc/passwd"},
+                                 dirs={"/data": str(data)})
+            assert e.value.code in ("tool_failed", "invalid_tool_arguments")
+            read = await runner.run(registry.resolve("file.read@^1.2"), {"path": "/data/notes.txt"},
+                                    dirs={"/data": str(data)})
+            assert read.output == "the notes\n"
+        finally:
+            await runner.close()
+        assert runner.pids() == []
+
+    asyncio.run(scenario())

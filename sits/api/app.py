@@ -32,7 +32,7 @@ from sits.observe.tracing import Tracing
 from sits.engine.errors import SitsError
 from sits.memory.sessions import open_session_store
 from sits.memory.vectors import open_memory_store
-from sits.tools import ToolRegistry
+from sits.tools import ToolRegistry, ToolRunner
 
 log = logging.getLogger("sits.api")
 
@@ -55,7 +55,7 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
                             otel=GenAiMetrics(settings.otel_metrics))
     ctx = ServerContext(registry=registry, metrics=metrics, settings=settings, tracing=tracing,
                         sessions=open_session_store(settings.session_store, settings.data_dir),
-                        tools=ToolRegistry(list(settings.tool_dirs)),
+                        tools=ToolRegistry(list(settings.tool_dirs)), tool_runner=ToolRunner(),
                         memory=memory if memory is not None or settings.data_dir is None
                         else open_memory_store(settings.data_dir))
     ctx.store = RequestStore(retention_s=settings.request_retention_s, max_finished=settings.max_retained_requests,
@@ -77,6 +77,7 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await app.state.webhooks.aclose()
+            await ctx.tool_runner.close()
             for hook in on_shutdown or []:
                 await hook(app)
             tracing.shutdown()

@@ -54,6 +54,7 @@ class ServerContext:
     tracing: object | None = None           # sits.observe.tracing.Tracing, set by create_app
     sessions: object | None = None          # sits.memory.sessions.SessionStore, set by create_app
     tools: object | None = None             # sits.tools.ToolRegistry, set by create_app
+    tool_runner: object | None = None       # sits.tools.ToolRunner (worker processes), set by create_app
     memory: object | None = None            # sits.memory.vectors.MemoryStore (with a data_dir), set by create_app
 
 

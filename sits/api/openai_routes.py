@@ -24,7 +24,7 @@ from sits.api.errors import ErrorResponse, error_response, sits_error_as_dict
 from sits.api.generation import ChoiceResult, Generation
 from sits.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                CompletionResponse, ModelCard, ModelList)
-from sits.api.retrieval import last_user_text, recall, with_context
+from sits.api.retrieval import MEMORY_TOP_K, last_user_text, recall, with_context
 from sits.api.session_routes import SessionTurn
 from sits.api.structured import Guidance, ToolCallStream, assistant_message, chat_guidance
 from sits.api.sse import SSE_DONE, ClientDisconnected, SSEResponse, sse_data, until_disconnect
@@ -206,9 +206,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         messages = await turn.conversation(messages)
     rid = new_request_id()
     citations: list[dict] = []
-    if (set_name := getattr(backend, "memory_set", None)) is not None:     # a RAG unit: retrieved context first
+    set_name = body.memory_ref or getattr(backend, "memory_set", None)    # a RAG unit retrieves by itself
+    if set_name is not None:             # retrieved context first
         citations, context = await recall(ctx, set_name, last_user_text(messages), f"chatcmpl-{rid}",
-                                          backend.memory_top_k, required=False)
+                                          getattr(backend, "memory_top_k", MEMORY_TOP_K),
+                                          required=body.memory_ref is not None)
         if context:
             messages = with_context(messages, context)
     guidance = chat_guidance(body)

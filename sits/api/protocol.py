@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from sits.engine.sampling_params import MAX_LOGPROBS
 
 MAX_N = 16
+MEMORY_SET = r"^[a-z0-9][a-z0-9._-]{0,63}$"
 MAX_STOP = 16
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
@@ -148,6 +149,9 @@ class ChatCompletionRequest(_SamplingFields):
         None, description="default: auto with tools, none without; calls are grammar-constrained")
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = Field(None, description="json_object / json_schema: grammar-constrained")
+    memory_ref: str | None = Field(None, pattern=MEMORY_SET,
+                                   description="SITS extension: a memory set whose closest memories join the "
+                                               "system prompt (returned as citations)")
     max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     max_completion_tokens: int | None = Field(None, ge=1, description="alias of max_tokens (newer clients)")
     logprobs: bool = False
@@ -262,7 +266,7 @@ class SitsRequest(_Request):
     unit: str | None = Field(None, min_length=1, description="the unit (served model); default: the only one")
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    memory_ref: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$",
+    memory_ref: str | None = Field(None, pattern=MEMORY_SET,
                                    description="a memory set: its closest memories go in front of the question")
     allowed_tools: list[Annotated[str, StringConstraints(min_length=1, max_length=128)]] | None = Field(
         None, max_length=64, description='tool contracts with semver constraints, e.g. "file.read@^1.2"; '

@@ -11,7 +11,6 @@ stream (``tool_call``, ``tool_result``) and an ``execute_tool`` span in its trac
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from dataclasses import dataclass, replace
@@ -24,9 +23,8 @@ from sits.api.request_store import TrackedRequest
 from sits.engine.sampling_params import SamplingParams
 from sits.engine.tool_format import ToolCall, ToolSpec, parse_tool_calls, tool_call_grammar
 from sits.observe import genai, tracing
-from sits.tools import ToolContract, ToolError, run_tool
+from sits.tools import ToolContract, ToolError
 
-WAIT_SLACK_S = 1.0          # beyond a tool's timeout_ms before the loop stops waiting for it
 MAX_RESULT_CHARS = 4000     # of a tool's output, placed in the prompt (the whole output is in the event)
 
 
@@ -115,18 +113,13 @@ class ToolLoop:
         t0 = time.monotonic()
         error: dict[str, Any] | None = None
         output = ""
-        try:
-            # the sandbox enforces timeout_ms in wasm code; a module blocked inside a WASI call is not
-            # interrupted there, so the loop stops waiting for it at the same deadline (plus slack)
-            result = await asyncio.wait_for(asyncio.to_thread(
-                run_tool, contract, call.arguments, dirs=getattr(self.backend, "tool_dirs", {}), trace_id=trace_id,
-                python_allowed=getattr(self.backend, "python_tools", False)), contract.timeout_ms / 1e3 + WAIT_SLACK_S)
+        try:      # in a worker process: a call past its deadline is killed with it (sits.tools.runner)
+            result = await self.ctx.tool_runner.run(contract, call.arguments, dirs=getattr(self.backend, "tool_dirs", {}),
+                                                    trace_id=trace_id,
+                                                    python_allowed=getattr(self.backend, "python_tools", False))
             output = result.output
         except ToolError as e:
             error = {"code": e.code, "message": e.message}
-        except TimeoutError:
-            error = {"code": "tool_timeout", "message": f"{contract.ref} did not return within its timeout of "
-                                                        f"{contract.timeout_ms} ms"}
         elapsed_ms = (time.monotonic() - t0) * 1e3
         tracing.stage(f"execute_tool {contract.id}", t0, time.monotonic(), level="L3",
                       error=error["code"] if error else None,

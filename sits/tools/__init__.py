@@ -6,6 +6,7 @@ Cross-cutting (DESIGN.md): the runtime and the HTTP layer use it; it imports nei
 
 from sits.tools.contract import ToolContract, ToolError
 from sits.tools.registry import ToolRegistry
+from sits.tools.runner import ToolRunner
 from sits.tools.sandbox import ToolResult, run_tool
 
-__all__ = ["ToolContract", "ToolError", "ToolRegistry", "ToolResult", "run_tool"]
+__all__ = ["ToolContract", "ToolError", "ToolRegistry", "ToolResult", "ToolRunner", "run_tool"]
