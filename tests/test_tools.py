@@ -204,3 +204,26 @@ def test_the_runner_kills_a_call_blocked_inside_wasi_and_keeps_serving(registry,
         assert runner.pids() == []
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("document,path,out,code", [
+    ({"items": [{"name": "a b", "x": [1, {"y": "z"}]}, {"name": "second"}], "n": 3.5}, "items.0.x.1", '{"y": "z"}', None),
+    ({"items": [{"name": "a"}, {"name": "second"}]}, "items.1.name", '"second"', None),
+    ({"n": -3.5e2, "t": True, "s": "a,b}"}, "n", "-350.0", None),
+    ({"n": 1, "t": True, "s": "a,b}"}, "s", '"a,b}"', None),
+    ([[1, 2], [3, [4, 5]]], "1.1.0", "4", None),
+    ({"a": 1}, "", '{"a": 1}', None),
+    ({"items": []}, "items.0", None, "tool_failed"),
+    ({"a": {"b": 1}}, "a.c", None, "tool_failed"),
+    ({"a": 1}, "a.b", None, "tool_failed"),
+    ({"a": [1]}, "a.x", None, "tool_failed"),
+    ('{"a": [1, 2', "a.5", None, "tool_failed"),           # a string document is passed as written
+])
+def test_json_query(registry, document, path, out, code):
+    tool = registry.resolve("json.query@^1")
+    if code is None:
+        assert run_tool(tool, {"document": document, "path": path}).output == out + "\n"
+    else:
+        with pytest.raises(ToolError) as e:
+            run_tool(tool, {"document": document, "path": path})
+        assert e.value.code == code and "json.query:" in e.value.message
