@@ -21,6 +21,7 @@ from sits.memory.vectors import EmbedderUnavailableError, MemoryStore
 from sits.engine.errors import InvalidRequestError
 from sits.runtime.gateway import Gateway
 from sits.runtime.unit_spec import UnitSpec
+from test_gateway import wait_for
 
 TEXTS = ["The backup job runs at 2 am.", "Invoices are due on the first of the month.", "x"]
 
@@ -85,7 +86,10 @@ def test_a_set_keeps_its_embedder(tmp_path):
     with pytest.raises(InvalidRequestError) as e:
         store.add("mine", ["d"], embedder="minilm")
     assert e.value.code == "embedder_mismatch"
-    assert {s["set"]: s["embedder"] for s in store.sets()} == {"mine": "fake"}
+    store.add("old", ["written with the default"])             # a default set cannot take another embedder
+    with pytest.raises(InvalidRequestError):
+        store.add("old", ["x"], embedder="fake")
+    assert {s["set"]: s["embedder"] for s in store.sets()} == {"mine": "fake", "old": "minilm"}
     store.register_embedder("fake", None)
     with pytest.raises(EmbedderUnavailableError):
         store.search("mine", "q")
@@ -123,5 +127,36 @@ def test_a_rag_unit_embedded_by_its_own_model(tiny_model_dir, tmp_path):
         r = httpx.post(srv.url + "/v1/embeddings", json={"model": "own", "input": "x"}, timeout=60).json()
         hidden = json.loads((Path(tiny_model_dir) / "config.json").read_text())["hidden_size"]
         assert len(r["data"][0]["embedding"]) == hidden
+    finally:
+        srv.stop()
+
+
+def test_a_cold_unit_embedding_its_own_set_serves_a_burst(tiny_model_dir, tmp_path):
+    """Ten requests at once to a unit at zero whose set it embeds itself: each search waits for the
+    unit's cold start, which must not need the threads those waits hold (it used to hang)."""
+    import concurrent.futures
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("Invoices are due on the first day of each month.")
+    spec = UnitSpec.model_validate({
+        "name": "cold", "model": tiny_model_dir,
+        "memory": {"set": "cold-docs", "ingest": str(docs), "embedder": "unit", "top_k": 1},
+        "scale": {"min_instances": 0, "max_instances": 1, "keep_alive_s": 1, "downscale_delay_s": 1},
+        "resources": {"device": "cpu", "kv_cache_mb": 16, "max_model_len": 256, "warmup": False, "threads": 1}})
+    gw = Gateway(tmp_path / "data", tick_s=0.2)
+    app = build_gateway_app(gw, [spec], ServerSettings(drain_grace_s=0.5))
+    srv = start_server(app, server_cls=DrainingServer, app=app, grace_s=0.5)
+    try:
+        wait_for(lambda: not httpx.get(srv.url + "/v1/units/cold").json()["instances"], timeout=60,
+                 what="scale to zero")
+
+        def ask(i):
+            return httpx.post(srv.url + "/v1/chat/completions", timeout=90, json={
+                "model": "cold", "messages": [{"role": "user", "content": f"question {i}"}], "max_tokens": 2})
+
+        with concurrent.futures.ThreadPoolExecutor(10) as pool:
+            answers = list(pool.map(ask, range(10)))
+        assert [r.status_code for r in answers] == [200] * 10
+        assert all(r.json()["citations"][0]["meta"]["source"] == "a.md" for r in answers)
     finally:
         srv.stop()

@@ -18,10 +18,10 @@ from sits.api.context import ServerSettings
 from sits.api.gateway_server import build_gateway_app
 from sits.api.server import DrainingServer
 from sits.engine.errors import InvalidRequestError
-from sits.engine.guided import json_schema_grammar
+from sits.engine.guided import json_schema_grammar, vocabulary_for
 from sits.engine.sampling_params import SamplingParams
 from sits.engine.tokenizer import Tokenizer
-from sits.engine.tool_format import ToolSpec, parse_tool_calls, tool_call_grammar
+from sits.engine.tool_format import ToolSpec, parse_tool_calls, prose_grammar, tool_call_grammar
 from sits.observe import genai
 from sits.runtime.gateway import Gateway
 from sits.runtime.unit_spec import UnitSpec
@@ -99,6 +99,26 @@ def test_a_resumed_stream_continues_under_its_grammar(make_engine):
     assert sent + rest["token_ids"] == full["token_ids"]
 
 
+def test_auto_allows_prose_then_calls_and_the_prose_grammar_no_call(make_engine):
+    eng = make_engine()
+    vocab = vocabulary_for(eng.tokenizer, eng.model_config.vocab_size)
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+
+    def accepts(grammar: str, text: str) -> bool:
+        guide = vocab.guide(grammar)
+        for tok in eng.tokenizer.encode(text):
+            if not guide.allowed()[tok]:
+                return False
+            guide.accept(tok)
+        return bool(guide.allowed()[eng.tokenizer.eos_token_ids[0]])      # and it may end there
+
+    auto = tool_call_grammar(SPECS, "auto")
+    for text in (call, f"Sure.\n{call}", f"Let me add.\n{call}\n{call}", "just prose, <tool_ no call"):
+        assert accepts(auto, text), text
+    assert not accepts(auto, f"Sure.\n{call}\n</tool_call>")
+    assert accepts(prose_grammar(), "plain text < tool_call >") and not accepts(prose_grammar(), f"x {call}")
+
+
 def test_a_grammar_that_cannot_compile_is_a_typed_error(make_engine):
     eng = make_engine()
     with pytest.raises(InvalidRequestError) as e:
@@ -157,7 +177,8 @@ def _schema_of(name: str) -> dict:
 def test_required_tool_choice_returns_calls_that_match_their_schemas(client):
     for seed in (None, 1, 2):
         r = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=OPENAI_TOOLS, tool_choice="required",
-                                           max_tokens=80, **({"seed": seed} if seed is not None else {"temperature": 0}))
+                                           parallel_tool_calls=False, max_tokens=80,
+                                           **({"seed": seed} if seed is not None else {"temperature": 0}))
         ch = r.choices[0]
         assert ch.finish_reason == "tool_calls" and ch.message.tool_calls, ch
         for call in ch.message.tool_calls:

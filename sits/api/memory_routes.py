@@ -3,7 +3,6 @@ restore, and the causal chain of a memory or a response. Embedding runs off the 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 from typing import Any
@@ -15,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sits.api.context import context_of
 from sits.api.errors import ErrorResponse
 from sits.engine.errors import InvalidRequestError
-from sits.memory.vectors import SET_NAME, MemoryNotFoundError, MemoryStore, memory_id
+from sits.memory.vectors import SET_NAME, MemoryNotFoundError, MemoryStore, memory_id, off_loop
 
 router = APIRouter(tags=["memory"])
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -66,53 +65,53 @@ def store_of(request: Request) -> MemoryStore:
 
 @router.get("/v1/memory", responses=ERRORS)
 async def list_sets(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": await asyncio.to_thread(store_of(request).sets)}
+    return {"object": "list", "data": await off_loop(store_of(request).sets)}
 
 
 @router.post("/v1/memory/{set_name}", status_code=201, responses=ERRORS)
 async def write(body: MemoryWrite, request: Request, set_name: str = SetName) -> JSONResponse:
-    ids = await asyncio.to_thread(store_of(request).add, set_name, body.texts, body.metas)
+    ids = await off_loop(store_of(request).add, set_name, body.texts, body.metas)
     return JSONResponse({"set": set_name, "ids": [f"m_{i}" for i in ids]}, status_code=201)
 
 
 @router.get("/v1/memory/{set_name}/memories", responses=ERRORS)
 async def list_memories(request: Request, set_name: str = SetName,
                         as_of: float | None = Query(None, description="unix time: the set as it was then")) -> dict:
-    hits = await asyncio.to_thread(store_of(request).list, set_name, as_of=_finite(as_of))
+    hits = await off_loop(store_of(request).list, set_name, as_of=_finite(as_of))
     return {"object": "list", "set": set_name, "as_of": as_of, "data": [h.to_dict() for h in hits]}
 
 
 @router.get("/v1/memory/{set_name}/search", responses=ERRORS)
 async def search(request: Request, set_name: str = SetName, q: str = Query(..., min_length=1, max_length=10_000),
                  k: int = Query(4, ge=1, le=100), as_of: float | None = Query(None)) -> dict:
-    hits = await asyncio.to_thread(store_of(request).search, set_name, q, k, as_of=_finite(as_of))
+    hits = await off_loop(store_of(request).search, set_name, q, k, as_of=_finite(as_of))
     return {"object": "list", "set": set_name, "query": q, "as_of": as_of, "data": [h.to_dict() for h in hits]}
 
 
 @router.delete("/v1/memory/{set_name}/memories/{mid}", responses=ERRORS)
 async def forget(request: Request, mid: str, set_name: str = SetName) -> dict:
-    if not await asyncio.to_thread(store_of(request).forget, set_name, memory_id(mid)):
+    if not await off_loop(store_of(request).forget, set_name, memory_id(mid)):
         raise MemoryNotFoundError(f"no live memory {mid} in {set_name!r}", param="id")
     return {"id": mid, "forgotten": True}
 
 
 @router.post("/v1/memory/{set_name}/snapshots", status_code=201, responses=ERRORS)
 async def snapshot(body: SnapshotRequest, request: Request, set_name: str = SetName) -> JSONResponse:
-    return JSONResponse(await asyncio.to_thread(store_of(request).snapshot, set_name, body.name), status_code=201)
+    return JSONResponse(await off_loop(store_of(request).snapshot, set_name, body.name), status_code=201)
 
 
 @router.get("/v1/memory/{set_name}/snapshots", responses=ERRORS)
 async def snapshots(request: Request, set_name: str = SetName) -> dict:
-    return {"object": "list", "data": await asyncio.to_thread(store_of(request).snapshots, set_name)}
+    return {"object": "list", "data": await off_loop(store_of(request).snapshots, set_name)}
 
 
 @router.post("/v1/memory/{set_name}/snapshots/{name}/restore", responses=ERRORS)
 async def restore(request: Request, name: str, set_name: str = SetName) -> dict:
-    return await asyncio.to_thread(store_of(request).restore, set_name, name)
+    return await off_loop(store_of(request).restore, set_name, name)
 
 
 @router.get("/v1/memory/{node}/chain", responses=ERRORS)
 async def chain(node: str, request: Request) -> dict:
     """A memory (``m_<n>``): who wrote and who retrieved it; a response (request id): what it
     retrieved and wrote, and which earlier responses wrote what it retrieved."""
-    return await asyncio.to_thread(store_of(request).chain, node)
+    return await off_loop(store_of(request).chain, node)

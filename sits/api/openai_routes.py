@@ -97,17 +97,7 @@ def completion_prompts(req: CompletionRequest, backend: Backend) -> list[str | l
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
-    out = []
-    for m in req.messages:
-        msg: dict[str, Any] = {"role": m.role, "content": m.text() if m.content is not None else None}
-        if m.name:
-            msg["name"] = m.name
-        if m.tool_calls:
-            msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
-        if m.tool_call_id is not None:
-            msg["tool_call_id"] = m.tool_call_id
-        out.append(msg)
-    return out
+    return [m.as_dict() for m in req.messages]
 
 
 def chat_prompt_ids(messages: list[dict], backend: Backend, add_generation_prompt: bool = True,
@@ -221,8 +211,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs",
                                   code="invalid_parameter")
     params = sampling_params(body, max_tokens, logprobs, guidance.grammar)
-    gen = Generation(backend, ctx.metrics, ctx.inflight, rid, [(ids, params)],
-                     n=body.n, priority=body.priority, interactive=True, accepted_at=accepted_at(request))
+    try:
+        gen = Generation(backend, ctx.metrics, ctx.inflight, rid, [(ids, params)],
+                         n=body.n, priority=body.priority, interactive=True, accepted_at=accepted_at(request))
+    except InvalidRequestError as e:
+        if e.code == "invalid_grammar":      # the grammar is ours; what the client sent is its source
+            e.param = "tools" if guidance.calls_tools else "response_format"
+        raise
     chunks = _ChatChunks(f"chatcmpl-{rid}", backend, gen, body, guidance)
     chunks.citations = citations
     return await _respond(request, gen, chunks, turn)
@@ -382,7 +377,8 @@ class _ChatChunks(_Chunks):
                 text += rest
                 if calls:
                     delta["tool_calls"] = calls
-                    finish_reason = "tool_calls"
+                    if finish_reason != "length":     # cut off by max_tokens stays "length"
+                        finish_reason = "tool_calls"
             if not text and not delta and not ev.finished:
                 return None
         if text:
@@ -456,7 +452,10 @@ async def _sse_body(gen: Generation, events: AsyncIterator[tuple[int, TokenEvent
 
         async for i, ev in all_events():
             c = chunks.delta(i, ev)
-            if c is None:      # e.g. half a UTF-8 character: nothing to show yet
+            if c is None:      # e.g. half a UTF-8 character, or a held tool call: nothing to show yet
+                if head:       # ... but the client hears from the server now
+                    yield head
+                    head = b""
                 continue
             if meta is not None:
                 if i not in prev_time:

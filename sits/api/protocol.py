@@ -105,6 +105,17 @@ class ChatMessage(_Body):
             return self.content
         return "".join(p.text for p in self.content)
 
+    def as_dict(self) -> dict[str, Any]:
+        """The message as a chat template reads it (tool calls and the call a tool turn answers kept)."""
+        msg: dict[str, Any] = {"role": self.role, "content": self.text() if self.content is not None else None}
+        if self.name:
+            msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        return msg
+
 
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 

@@ -6,11 +6,11 @@ RAG units. The model reads whole chunks; the citations show the first 500 charac
 
 from __future__ import annotations
 
-import asyncio
 
 from sits.api.context import ServerContext
 from sits.api.errors import clip
 from sits.engine.errors import InvalidRequestError
+from sits.memory.vectors import off_loop
 
 MEMORY_TOP_K = 4
 
@@ -38,7 +38,7 @@ async def recall(ctx: ServerContext, set_name: str, question: str, rid: str, k: 
     if store is None:
         raise InvalidRequestError(f"no memory set {clip(set_name)} exists (this server keeps no memory)",
                                   param="memory_ref", code="memory_not_found")
-    hits = await asyncio.to_thread(store.search, set_name, question, k, response_id=rid)
+    hits = await off_loop(store.search, set_name, question, k, response_id=rid)
     if not hits:
         if not required:
             return [], ""

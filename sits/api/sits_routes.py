@@ -31,6 +31,7 @@ from sits.api.sse import SSE_KEEPALIVE, SSEResponse, sse_event
 from sits.api.webhooks import WebhookDispatcher, validate_callback_url
 from sits.engine.errors import InvalidRequestError, SitsError
 from sits.engine.sampling_params import SamplingParams
+from sits.memory.vectors import off_loop
 from sits.tools import ToolError
 from sits.observe import genai, tracing
 
@@ -193,7 +194,7 @@ async def _validate(ctx: ServerContext, body: SitsRequest, turn: SessionTurn | N
     if body.messages is None and turn is None and loop is None:
         prompt = (f"Context:\n{context}\n\nQuestion: {body.prompt}\nAnswer:" if context else body.prompt) or ""
         return _Plan(backend, prompt, None, params, citations)
-    messages = ([{"role": m.role, "content": m.text()} for m in body.messages] if body.messages is not None
+    messages = ([m.as_dict() for m in body.messages] if body.messages is not None
                 else [{"role": "user", "content": body.prompt or ""}])
     if turn is not None:
         messages = await turn.conversation(messages)
@@ -263,7 +264,7 @@ async def _run_request(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest
                 await turn.remember("".join(tr.output), unit=backend.name, instance=instance,
                                     memory_refs=[body.memory_ref] if body.memory_ref else None)
             if body.remember and (body.memory_ref or getattr(backend, "memory_set", None)) and ctx.memory is not None:
-                written = await asyncio.to_thread(
+                written = await off_loop(
                     ctx.memory.add, body.memory_ref or backend.memory_set, [f"Q: {_question(body)}\nA: {''.join(tr.output)}"],
                     [{"request": tr.id}], response_id=tr.id)
                 tr.memories_written = [f"m_{i}" for i in written]

@@ -91,12 +91,14 @@ def check_schema(schema: dict[str, Any], param: str) -> None:
 
 
 def assistant_message(guidance: Guidance, text: str, finish_reason: str | None) -> tuple[dict, str | None, list]:
-    """The non-streamed ``message``, its finish reason (``tool_calls`` when it made any) and errors."""
+    """The non-streamed ``message``, its finish reason (``tool_calls`` when it made any and was not
+    cut off) and errors."""
     parsed = guidance.parse(text)
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if parsed.calls:
         message["tool_calls"] = [c.openai() for c in parsed.calls]
-        finish_reason = "tool_calls"
+        if finish_reason != "length":     # an answer cut off by max_tokens says so, calls or not
+            finish_reason = "tool_calls"
     return message, finish_reason, parsed.errors
 
 

@@ -21,7 +21,7 @@ from sits.api.context import ServerContext
 from sits.api.generation import Generation
 from sits.api.request_store import TrackedRequest
 from sits.engine.sampling_params import SamplingParams
-from sits.engine.tool_format import ToolCall, ToolSpec, parse_tool_calls, tool_call_grammar
+from sits.engine.tool_format import ToolCall, ToolSpec, parse_tool_calls, prose_grammar, tool_call_grammar
 from sits.observe import genai, tracing
 from sits.tools import ToolContract, ToolError
 
@@ -86,7 +86,8 @@ class ToolLoop:
     async def _generate(self, step: int, messages: list[dict], params: SamplingParams, choice: str) -> StepResult:
         tok = self.backend.tokenizer
         ids = tok.encode(tok.apply_chat_template(messages, tools=self.specs), max_tokens=self.backend.max_model_len)
-        grammar = tool_call_grammar(self.specs, choice)
+        # the last step (choice "none") may not call: prose only, or the model could still write a call
+        grammar = tool_call_grammar(self.specs, choice) if choice != "none" else prose_grammar()
         gen = Generation(self.backend, self.ctx.metrics, self.ctx.inflight, f"{self.tr.id}.{step}",
                          [(ids, replace(params, grammar=grammar))], priority=self.priority,
                          interactive=self.interactive, accepted_at=self.accepted_at if step == 0 else time.monotonic())
@@ -99,7 +100,7 @@ class ToolLoop:
                 self.usage[k] += v
         ch = gen.choices[0]
         text = "".join(ch.text)
-        if grammar is None:
+        if choice == "none":
             return StepResult(text, ch.finish_reason, [], [])
         parsed = parse_tool_calls(text, self.specs)
         return StepResult(text, ch.finish_reason, parsed.calls, parsed.errors)

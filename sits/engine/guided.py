@@ -13,7 +13,9 @@ so they cross process boundaries like any other sampling parameter; each engine 
 
 from __future__ import annotations
 
+import collections
 import json
+import threading
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,25 +32,42 @@ JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": 
                                 "lenient": True}
 
 
+COMPILED_CACHE = 64              # grammars kept compiled per tokenizer
 SAFE_INTEGER = 2**53 - 1      # I-JSON (RFC 7493): the integers every JSON parser reads exactly
 
 
-def decoding_schema(schema: Any) -> Any:
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+
+
+def decoding_schema(schema: Any, *, close: bool = True) -> Any:
     """``schema`` with the defaults a decoder needs: closed objects and bounded integers.
 
     JSON Schema lets unlisted keys through and integers grow without end; for decoding those
     defaults invite a model to invent keys after the ones asked for, or to write digits until
     max_tokens. Like xgrammar's strict mode (and OpenAI's strict structured outputs), an object is
     closed unless ``additionalProperties`` says otherwise; an integer without bounds gets the range
-    every JSON parser reads exactly (|n| < 2**53).
+    every JSON parser reads exactly (|n| < 2**53). Only subschemas are visited (a property named
+    ``properties`` is a name, not a keyword), and ``allOf`` parts stay open (closing each part
+    would leave their intersection nothing).
     """
-    if isinstance(schema, list):
-        return [decoding_schema(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: decoding_schema(v) if k not in ("enum", "const", "default", "examples") else v
-           for k, v in schema.items()}
-    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+    out = dict(schema)
+    for k in _SCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: decoding_schema(sub) for name, sub in out[k].items()}
+    for k in _SCHEMA_ONE:
+        if isinstance(out.get(k), dict):
+            out[k] = decoding_schema(out[k])
+    for k in _SCHEMA_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [decoding_schema(sub) for sub in out[k]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [decoding_schema(sub, close=False) for sub in out["allOf"]]
+    if (close and "allOf" not in out and "properties" in out and "additionalProperties" not in out
+            and "patternProperties" not in out):
         out["additionalProperties"] = False
     if out.get("type") == "integer":
         if "minimum" not in out and "exclusiveMinimum" not in out:
@@ -97,21 +116,42 @@ class GuidedVocabulary:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos or []
         self.llm_tokenizer = LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+        # compiled grammars by source: the same tools or schema on every request of a client compile
+        # once (tens of ms for dozens of tools), then each sequence gets a copy of the fresh matcher
+        self._compiled: collections.OrderedDict[str, LLMatcher] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def _prototype(self, grammar: str) -> LLMatcher:
+        with self._lock:
+            m = self._compiled.get(grammar)
+            if m is not None:
+                self._compiled.move_to_end(grammar)
+                return m
+        m = LLMatcher(self.llm_tokenizer, grammar, log_level=0)
+        if not m.is_error():
+            with self._lock:
+                self._compiled[grammar] = m
+                while len(self._compiled) > COMPILED_CACHE:
+                    self._compiled.popitem(last=False)
+        return m
 
     def check(self, grammar: str) -> None:
         """Refuse a grammar that cannot be compiled (400 ``invalid_grammar``), before it is queued."""
         if not isinstance(grammar, str) or not grammar:
             raise InvalidRequestError("grammar must be a non-empty string", param="grammar", code="invalid_grammar")
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.llm_tokenizer)
-        if is_error:
-            first = (messages[0] if messages else "unknown error").strip().splitlines()[0][:500]
+        m = self._prototype(grammar)           # compiled once: the sequences that follow copy it
+        if m.is_error():
+            first = (m.get_error() or "unknown error").strip().splitlines()[0][:500]
             raise InvalidRequestError(f"the grammar cannot be compiled: {first}", param="grammar",
                                       code="invalid_grammar")
 
     def guide(self, grammar: str, consumed: list[int] = ()) -> "Guide":
         """A fresh matcher for one sequence; ``consumed`` are tokens it already produced elsewhere
         (a stream resumed on another instance) and are replayed first."""
-        guide = Guide(LLMatcher(self.llm_tokenizer, grammar, log_level=0), self)
+        proto = self._prototype(grammar)
+        with self._lock:                       # the prototype never advances; copies do
+            matcher = proto.deep_copy() if not proto.is_error() else proto
+        guide = Guide(matcher, self)
         for tok in consumed:
             guide.accept(tok)
         return guide

@@ -228,7 +228,7 @@ class Scheduler:
         for seq in decodes[:window]:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            n = seq.num_remaining          # 1, or 1 + the tokens a grammar forced (jump-forward)
+            n = min(seq.num_remaining, max(1, budget))   # 1, or 1 + tokens a grammar forced (jump-forward)
             while not self._grow(seq, n):
                 victim = self._lowest_priority(now)
                 self._preempt(victim, batch)

@@ -91,12 +91,23 @@ def tool_call_grammar(tools: list[ToolSpec], choice: str = "auto", *, parallel: 
              f'call: "{CALL_OPEN}\\n" body "\\n{CALL_CLOSE}"',
              f"body: %json {body}"]
     if choice == "auto":
-        # prose that never spells the opening tag (so a call can only be a whole, guided call)
-        rules = ["start: TEXT | TEXT? calls",
-                 f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{re.escape(CALL_OPEN)}(.|\\n)*/"] + rules
+        # prose alone never spells the opening tag; prose before calls is lazy up to the tag (a greedy
+        # prose lexeme would swallow "<tool_call" and then refuse the ">")
+        more = f'more: body "\\n{CALL_CLOSE}" ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else \
+            f'more: body "\\n{CALL_CLOSE}"'
+        rules = ["start: TEXT | calls | prose more", _TEXT_RULE,
+                 f"prose[lazy]: /(.|\\n)*{re.escape(CALL_OPEN)}\\n/", more] + rules
     else:
         rules = ["start: calls"] + rules
     return lark_grammar("\n".join(rules) + "\n")
+
+
+_TEXT_RULE = f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{re.escape(CALL_OPEN)}(.|\\n)*/"
+
+
+def prose_grammar() -> str:
+    """Text that contains no tool call (a tool loop's last step, where the model must answer)."""
+    return lark_grammar(f"start: TEXT\n{_TEXT_RULE}\n")
 
 
 def _validator(tool: ToolSpec):
@@ -204,6 +215,6 @@ def messages_without_tool_support(messages: list[dict[str, Any]], tools: list[To
     return out
 
 
-__all__ = ["ToolSpec", "ToolCall", "ParsedOutput", "tool_call_grammar", "parse_tool_calls",
+__all__ = ["ToolSpec", "ToolCall", "ParsedOutput", "tool_call_grammar", "prose_grammar", "parse_tool_calls",
            "messages_without_tool_support", "template_supports_tools", "tools_system_prompt", "CALL_OPEN",
            "CALL_CLOSE"]

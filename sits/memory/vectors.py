@@ -16,6 +16,9 @@ SQLite (``<data-dir>/memory.db``); search is exact cosine similarity over the se
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import json
 import re
 import sqlite3
@@ -64,6 +67,13 @@ class EmbedderUnavailableError(SitsError):
 
 
 DEFAULT_EMBEDDER = "minilm"
+_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="sits-memory")
+
+
+async def off_loop(fn, /, *args, **kwargs):
+    """Run a memory call on memory's own threads: an embedder that waits for a unit's cold start
+    (``unit:<name>``) must not hold the default pool the cold start itself needs."""
+    return await asyncio.get_running_loop().run_in_executor(_THREADS, functools.partial(fn, *args, **kwargs))
 
 
 class MemoryStore:
@@ -111,12 +121,16 @@ class MemoryStore:
             row = self._db.execute("SELECT embedder FROM set_embedders WHERE set_name = ?", (set_name,)).fetchone()
         return row[0] if row else DEFAULT_EMBEDDER
 
-    def _embed(self, set_name: str, texts: list[str], requested: str | None = None) -> np.ndarray:
+    def _embed(self, set_name: str, texts: list[str], requested: str | None = None, *,
+               writing: bool = False) -> np.ndarray:
+        """Vectors of ``texts`` by the set's embedder; a write to a new set records its embedder
+        (``requested``, else the default) once the vectors exist. A set with memories and no record
+        predates the record: it is the default's."""
         with self._lock:
             row = self._db.execute("SELECT embedder FROM set_embedders WHERE set_name = ?", (set_name,)).fetchone()
-            if row is None and requested is not None:
-                self._db.execute("INSERT OR IGNORE INTO set_embedders VALUES (?, ?)", (set_name, requested))
-        name = row[0] if row else (requested or DEFAULT_EMBEDDER)
+            has = row is None and self._db.execute("SELECT 1 FROM memories WHERE set_name = ? LIMIT 1",
+                                                   (set_name,)).fetchone() is not None
+        name = row[0] if row else (DEFAULT_EMBEDDER if has else (requested or DEFAULT_EMBEDDER))
         if requested is not None and requested != name:
             raise InvalidRequestError(f"memory set {set_name!r} is embedded with {name!r}, not {requested!r}; "
                                       "use another set (vectors of two embedders are not comparable)",
@@ -125,7 +139,11 @@ class MemoryStore:
         if embed is None:
             raise EmbedderUnavailableError(f"memory set {set_name!r} is embedded with {name!r}, which is not "
                                            "available now (its unit is not deployed)", param="embedder")
-        return np.asarray(embed(texts), dtype=np.float32)
+        vecs = np.asarray(embed(texts), dtype=np.float32)
+        if row is None and writing:
+            with self._lock:
+                self._db.execute("INSERT OR IGNORE INTO set_embedders VALUES (?, ?)", (set_name, name))
+        return vecs
 
     # -- writing -------------------------------------------------------------------------------------
     def add(self, set_name: str, texts: list[str], metas: list[dict] | None = None, *,
@@ -133,7 +151,7 @@ class MemoryStore:
         """``embedder``: the set's embedder (checked against it; a new set takes it, default MiniLM)."""
         if not texts:
             return []
-        vecs = self._embed(set_name, texts, embedder)
+        vecs = self._embed(set_name, texts, embedder, writing=True)
         now = self._now(at)
         metas = metas or [{} for _ in texts]
         ids = []

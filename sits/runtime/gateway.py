@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import os
 import time
@@ -31,7 +32,7 @@ from sits.engine.sequence import Sequence
 from sits.engine.tokenizer import Tokenizer
 from sits.faults import FaultInjector, FaultsSpec
 from sits.memory.ingest import ingest_dir
-from sits.memory.vectors import open_memory_store
+from sits.memory.vectors import EmbedderUnavailableError, off_loop, open_memory_store
 from sits.observe import tracing
 from sits.runtime.autoscaler import Autoscaler, ScaleDecision
 from sits.runtime.sla import NOT_OUTCOMES, BreakerState, SlaBreaker, SlaBreakerOpenError
@@ -457,7 +458,13 @@ class _UnitEmbedder:
     def __call__(self, texts: list[str]) -> np.ndarray:
         tok, limit = self.backend.tokenizer, self.backend.max_model_len
         ids = [(tok.encode(t) or [tok.eos_token_ids[0] if tok.eos_token_ids else 0])[:limit] for t in texts]
-        return asyncio.run_coroutine_threadsafe(self.backend.embed(ids), self.loop).result(self.TIMEOUT_S)
+        fut = asyncio.run_coroutine_threadsafe(self.backend.embed(ids), self.loop)
+        try:
+            return fut.result(self.TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise EmbedderUnavailableError(f"unit {self.backend.name} gave no embeddings within "
+                                           f"{self.TIMEOUT_S:g} s") from None
 
 
 class Gateway:
@@ -532,7 +539,7 @@ class Gateway:
             return
         embedder = unit_embedder_name(backend.name) if mem.embedder == "unit" else None
         try:
-            backend.ingested = await asyncio.to_thread(ingest_dir, self.memory, mem.set, mem.ingest,
+            backend.ingested = await off_loop(ingest_dir, self.memory, mem.set, mem.ingest,
                                                        mem.chunk_chars, embedder=embedder)
         except OSError as e:
             raise InvalidRequestError(f"unit {backend.name}: memory.ingest: {e}", param="memory.ingest",

@@ -39,9 +39,13 @@ class _Worker:
             sys.executable, "-m", "sits.tools.runner", stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
         w = cls(proc)
-        ready = await asyncio.wait_for(w._read(), START_TIMEOUT_S)
-        if ready != ("ready",):
-            raise RuntimeError(f"tool worker said {ready!r} at start")
+        try:
+            ready = await asyncio.wait_for(w._read(), START_TIMEOUT_S)
+            if ready != ("ready",):
+                raise RuntimeError(f"tool worker said {ready!r} at start")
+        except BaseException:              # failed or cancelled: no half-started worker is left behind
+            w.kill()
+            raise
         return w
 
     async def _read(self):
@@ -66,10 +70,12 @@ class _Worker:
 
 
 class ToolRunner:
-    """A small pool of tool workers (started on first use, ``idle`` kept warm)."""
+    """A small pool of tool workers: at most ``max_workers`` calls run at once (more wait their
+    turn), started on first use, ``idle`` kept warm between calls."""
 
-    def __init__(self, idle: int = 1):
+    def __init__(self, idle: int = 1, max_workers: int = 4):
         self.idle_target = idle
+        self._slots = asyncio.Semaphore(max_workers)
         self._idle: list[_Worker] = []
         self._busy: set[_Worker] = set()
         self._closed = False
@@ -80,10 +86,18 @@ class ToolRunner:
             w = self._idle.pop()
             if w.alive:
                 return w
-        return await _Worker.start()
+        try:
+            return await _Worker.start()
+        except (OSError, RuntimeError, TimeoutError, asyncio.IncompleteReadError) as e:
+            raise ToolError("tool_unavailable", f"no tool worker could start: {e!r}") from None
 
     async def run(self, contract: ToolContract, args: dict, *, dirs: dict[str, str] | None = None,
                   trace_id: str | None = None, python_allowed: bool = False) -> ToolResult:
+        async with self._slots:
+            return await self._run(contract, args, dirs=dirs, trace_id=trace_id, python_allowed=python_allowed)
+
+    async def _run(self, contract: ToolContract, args: dict, *, dirs: dict[str, str] | None,
+                   trace_id: str | None, python_allowed: bool) -> ToolResult:
         if self._closed:
             raise ToolError("tool_unavailable", "the tool runner is shut down")
         w = await self._take()
@@ -102,8 +116,10 @@ class ToolRunner:
                                             f"after {(time.monotonic() - t0) * 1e3:.0f} ms") from None
         finally:
             self._busy.discard(w)
-            if keep and not self._closed:
+            if keep and not self._closed and len(self._idle) < self.idle_target:
                 self._idle.append(w)
+            elif keep:
+                w.kill()                       # more warm workers than wanted: let this one go
             else:
                 self.killed += 1
                 w.kill()
