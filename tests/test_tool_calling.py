@@ -260,6 +260,7 @@ def test_bad_tool_requests_are_400s(client, extra, param, code):
 
 @pytest.mark.parametrize("message", [
     {"role": "tool", "tool_call_id": "c1"},                                   # no content
+    {"role": "tool", "tool_call_id": "never-called", "content": "4"},         # answers no call
     {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
     {"role": "assistant", "tool_calls": "add"},
 ])

@@ -121,6 +121,7 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
         raise InvalidRequestError("messages must be a non-empty list", param="messages",
                                   code="invalid_messages")
     normalized = []
+    call_ids: set[str] = set()      # tool turns answer calls made earlier in the conversation
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -153,6 +154,11 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
         out = {**message, "content": content}
         if role == "assistant" and message.get("tool_calls") is not None:
             out["tool_calls"] = _normalize_tool_calls(message["tool_calls"], where)
+            call_ids.update(str(c.get("id")) for c in out["tool_calls"] if c.get("id") is not None)
+        if role == "tool" and str(message.get("tool_call_id")) not in call_ids:
+            raise InvalidRequestError(f"{where}: a tool message must answer a call of a preceding assistant "
+                                      f"message (tool_call_id {message.get('tool_call_id')!r} matches none)",
+                                      param=f"{where}.tool_call_id", code="invalid_messages")
         normalized.append(out)
     return normalized
 
