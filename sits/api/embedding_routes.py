@@ -6,29 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from typing import Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
-from pydantic import Field
 
 from sits.api.context import context_of
 from sits.api.errors import ErrorResponse
-from sits.api.protocol import _Request
+from sits.api.protocol import MINILM, EmbeddingRequest
 from sits.engine.errors import ContextLengthExceededError, InvalidRequestError
 
 router = APIRouter(tags=["openai"])
 
-MINILM = "all-minilm-l6-v2"
 MAX_INPUTS = 256
-
-
-class EmbeddingRequest(_Request):
-    model: str = Field(..., min_length=1, description=f'a served model, or "{MINILM}" (the memory embedder)')
-    input: str | list[str] | list[int] | list[list[int]] = Field(..., description="text(s) or token ids")
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
-    user: str | None = Field(None, max_length=256)
 
 
 def _inputs(body: EmbeddingRequest) -> list[str | list[int]]:

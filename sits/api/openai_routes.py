@@ -369,7 +369,7 @@ class _ChatChunks(_Chunks):
         if not ev.text and not ev.finished:
             return None
         ch = self.gen.choices[i]
-        text, finish_reason, delta = ev.text, ev.finish_reason if ev.finished else None, {}
+        text, finish_reason, delta, errors = ev.text, ev.finish_reason if ev.finished else None, {}, []
         if self.calls is not None:       # prose streams; calls are read whole at the end
             text = self.calls[i].feed(ev.text)
             if ev.finished:
@@ -384,7 +384,7 @@ class _ChatChunks(_Chunks):
         if text:
             delta = {"content": text, **delta}
         c: dict[str, Any] = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        if self.calls is not None and ev.finished and errors:
+        if errors:
             c["tool_call_errors"] = errors
         if self.body.logprobs and ev.token_id is not None:
             c["logprobs"] = chat_logprobs(self.backend, ch, start=len(ch.token_ids) - 1)

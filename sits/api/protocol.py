@@ -170,6 +170,17 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
 
 
+MINILM = "all-minilm-l6-v2"    # the memory embedder, servable by name from /v1/embeddings
+
+
+class EmbeddingRequest(_Request):
+    model: str = Field(..., min_length=1, description=f'a served model, or "{MINILM}" (the memory embedder)')
+    input: str | list[str] | list[int] | list[list[int]] = Field(..., description="text(s) or token ids")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = Field(None, max_length=256)
+
+
 # -- responses (documented in the OpenAPI schema) -----------------------------------------------
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0

@@ -150,7 +150,7 @@ class _Plan:
     """What VALIDATING decided: where the request runs and what the model reads."""
 
     backend: Backend
-    prompt: str | list[int] | None          # None: the tool loop renders ``messages`` each step
+    prompt: str | list[int]                 # with a tool loop: its first step's prompt
     messages: list[dict] | None
     params: SamplingParams
     citations: list[dict]
@@ -208,7 +208,7 @@ async def _validate(ctx: ServerContext, body: SitsRequest, turn: SessionTurn | N
                      max_tokens=backend.max_model_len)
     if loop is not None:     # the first step's prompt must fit; later steps are checked as they come
         backend.prepare(ids, params, request_id=f"{rid}.check", priority=body.constraints.priority)
-    return _Plan(backend, None if loop else ids, messages, params, citations, loop, choice)
+    return _Plan(backend, ids, messages, params, citations, loop, choice)
 
 
 async def _execute(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest, t0: float) -> None:
@@ -245,7 +245,8 @@ async def _run_request(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest
             tr.citations = plan.citations
             if plan.tools is not None:
                 lc.advance(RequestState.EXECUTING)
-                answer = await plan.tools.run(plan.messages, plan.params, plan.tool_choice, body.max_tool_steps)
+                answer = await plan.tools.run(plan.messages, plan.params, plan.tool_choice, body.max_tool_steps,
+                                              first_ids=plan.prompt)
                 gen = plan.tools.last
                 tr.finish_reason = answer.finish_reason
                 tr.usage = dict(plan.tools.usage)

@@ -61,13 +61,17 @@ class ToolLoop:
                                                 f"({', '.join(c.ref for c in self.contracts.values())})")
         return name
 
-    async def run(self, messages: list[dict], params: SamplingParams, first_choice: str, max_steps: int) -> StepResult:
-        """Steps until an answer; returns the answering step (the request's output)."""
+    async def run(self, messages: list[dict], params: SamplingParams, first_choice: str, max_steps: int,
+                  first_ids: list[int] | None = None) -> StepResult:
+        """Steps until an answer; returns the answering step (the request's output). ``first_ids``:
+        the first step's prompt, already rendered and tokenized while validating."""
         choice = self.first_choice(first_choice)
+        ids = first_ids
         for step in range(max_steps + 1):
             if step == max_steps:
                 choice = "none"         # out of steps: the model must answer
-            result = await self._generate(step, messages, params, choice)
+            result = await self._generate(step, messages, params, choice, ids)
+            ids = None
             if not result.calls:
                 if result.errors:     # e.g. a call cut off by max_tokens: the answer says so
                     self.tr.tool_steps.append({"step": step, "text": result.text, "calls": [],
@@ -83,9 +87,11 @@ class ToolLoop:
             choice = "auto"
         raise AssertionError("unreachable: the last step allows no call")
 
-    async def _generate(self, step: int, messages: list[dict], params: SamplingParams, choice: str) -> StepResult:
-        tok = self.backend.tokenizer
-        ids = tok.encode(tok.apply_chat_template(messages, tools=self.specs), max_tokens=self.backend.max_model_len)
+    async def _generate(self, step: int, messages: list[dict], params: SamplingParams, choice: str,
+                        ids: list[int] | None) -> StepResult:
+        if ids is None:
+            tok = self.backend.tokenizer
+            ids = tok.encode(tok.apply_chat_template(messages, tools=self.specs), max_tokens=self.backend.max_model_len)
         # the last step (choice "none") may not call: prose only, or the model could still write a call
         grammar = tool_call_grammar(self.specs, choice) if choice != "none" else prose_grammar()
         gen = Generation(self.backend, self.ctx.metrics, self.ctx.inflight, f"{self.tr.id}.{step}",

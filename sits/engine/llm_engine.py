@@ -323,7 +323,7 @@ class LLMEngine:
                 while end < len(order) and (end - start + 1) * len(inputs[order[end]]) <= batch_tokens:
                     end += 1
                 rows = order[start:end]
-                width = max(len(inputs[i]) for i in rows)
+                width = len(inputs[rows[-1]])            # sorted by length: the last is the longest
                 ids = torch.full((len(rows), width), pad, dtype=torch.long)
                 mask = torch.zeros((len(rows), width, 1), dtype=torch.float32)
                 for r, i in enumerate(rows):

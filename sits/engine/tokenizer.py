@@ -214,6 +214,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self._compiled_template = (_compile_chat_template(chat_template, source)
                                    if chat_template is not None else None)
+        self._template_renders_tools = template_supports_tools(chat_template)
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike) -> "Tokenizer":
@@ -299,7 +300,7 @@ class Tokenizer:
         has_tool_turns = any(m.get("tool_calls") or m["role"] in ("tool", "function") for m in normalized)
         offered = None
         if tools or has_tool_turns:
-            if template_supports_tools(self.chat_template):
+            if self._template_renders_tools:
                 offered = [t.openai() for t in tools] if tools else None
             else:
                 normalized = messages_without_tool_support(normalized, tools)

@@ -116,11 +116,6 @@ class MemoryStore:
         else:
             self._embedders[name] = embed
 
-    def embedder_of(self, set_name: str) -> str:
-        with self._lock:
-            row = self._db.execute("SELECT embedder FROM set_embedders WHERE set_name = ?", (set_name,)).fetchone()
-        return row[0] if row else DEFAULT_EMBEDDER
-
     def _embed(self, set_name: str, texts: list[str], requested: str | None = None, *,
                writing: bool = False) -> np.ndarray:
         """Vectors of ``texts`` by the set's embedder; a write to a new set records its embedder
