@@ -48,6 +48,9 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
                         "memory keeps recent traces for GET /admin/traces)")
     p.add_argument("--otel-metrics", default=None, choices=["none", "console", "otlp", "memory"],
                    help="OpenTelemetry GenAI metrics beside /metrics (default: otlp when the OTLP endpoint is set)")
+    p.add_argument("--no-hot-path", action="store_true",
+                   help="route the generation endpoints through FastAPI's router too (the baseline of "
+                        "`sits bench serve --baseline-args`)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -135,7 +138,7 @@ def _server_settings(args: argparse.Namespace):
                           allow_private_callbacks=args.allow_private_callbacks,
                           trace_exporter=args.trace_exporter, otel_metrics=args.otel_metrics,
                           session_store=args.session_store, data_dir=args.data_dir,
-                          tool_dirs=tuple(args.tools_dir))
+                          tool_dirs=tuple(args.tools_dir), hot_path=not args.no_hot_path)
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -168,3 +168,33 @@ def test_api_keys(serve_tiny):
         openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0).models.list()
     assert httpx.get(srv.url + "/health").status_code == 200       # probes need no key
     assert httpx.get(srv.url + "/metrics").status_code == 200
+
+
+# bodies whose JSON edge cases the two validators (json.loads + pydantic, pydantic from the bytes) could read
+# differently: the hot path must answer each exactly as FastAPI's route does
+RAW_EDGE = [b" ", b"null", b" null ", b"{}", b"true", b'"text"', b"{" * 5000, b'{"model": "tiny", "prompt": NaN}',
+            b'{"model": "tiny", "prompt": "x", "max_tokens": 1e400}', b'{"model": "tiny", "prompt": "\\ud800"}',
+            b'{"model": "tiny", "model": 7, "prompt": "x"}', b'{"model": "tiny", "prompt": "x", "seed": 1' + b"0" * 40 + b"}",
+            b'{"model": "tiny", "prompt": "x", "temperature": 1.5e0, "max_tokens": 2.0}',
+            b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}], "max_tokens": 1}']
+
+
+def test_hot_path_answers_bad_input_as_fastapi_does(server, serve_tiny):
+    """The generation endpoints skip FastAPI's router (sits.api.hot_path); with it off, the same
+    bodies go through FastAPI. Status, code, param and type must agree for every bad input."""
+    baseline = serve_tiny(ServerSettings(max_body_bytes=64 * 1024, drain_grace_s=1.0, hot_path=False))
+    cases = [(p, b) for _, p, b, *_ in BAD if p in (CHAT, CMPL)] + [(p, raw) for raw in RAW_EDGE for p in (CHAT, CMPL)]
+
+    def answer(url, path, body):
+        if isinstance(body, bytes):
+            r = httpx.post(url + path, content=body, headers={"content-type": "application/json"})
+        else:
+            r = httpx.post(url + path, json=body)
+        err = r.json().get("error") if r.headers["content-type"].startswith("application/json") else None
+        return r.status_code, err and (err["code"], err["param"], err["type"])
+
+    for path, body in cases:
+        hot, slow = answer(server.url, path, body), answer(baseline.url, path, body)
+        assert hot == slow, (path, body[:80] if isinstance(body, bytes) else body, hot, slow)
+        assert hot[0] < 500, (path, body, hot)
+    _ok(server.url)

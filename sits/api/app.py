@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -24,6 +25,7 @@ from sits.api.backend import BackendRegistry
 from sits.api.context import ServerContext, ServerSettings
 from sits.api.edge import EdgeMiddleware
 from sits.api.errors import install_error_handlers
+from sits.api.hot_path import HotRoutes
 from sits.api.metrics import CONTENT_TYPE, ServerMetrics
 from sits.api.request_store import RequestStore
 from sits.api.webhooks import WebhookDispatcher
@@ -40,6 +42,19 @@ log = logging.getLogger("sits.api")
 class ServerShuttingDownError(SitsError):
     code = "server_shutting_down"
     http_status = 503
+
+
+class SitsApp(FastAPI):
+    """FastAPI entered through the edge: every HTTP request meets ``entry`` (the edge, then the
+    generation endpoints' hot path) first, and reaches FastAPI's own stack only when it needs it."""
+
+    entry = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or self.entry is None:
+            return await super().__call__(scope, receive, send)
+        scope["app"] = self            # as Starlette does: routes find app.state through the request
+        await self.entry(scope, receive, send)
 
 
 def create_app(registry: BackendRegistry, settings: ServerSettings | None = None, *,
@@ -87,7 +102,7 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
             if ctx.memory is not None and memory is None:
                 ctx.memory.close()
 
-    app = FastAPI(title="SITS", version=__version__, lifespan=lifespan,
+    app = SitsApp(title="SITS", version=__version__, lifespan=lifespan,
                   description="A serverless runtime for LLM inference: the OpenAI dialect and the SITS "
                               "request dialect (PENDING -> VALIDATING -> EXECUTING -> RESOLVED | REJECTED).")
     app.state.sits = ctx
@@ -123,9 +138,10 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    app.add_middleware(EdgeMiddleware, api_keys=lambda: settings.api_keys,
-                       max_body_bytes=lambda: settings.max_body_bytes, draining=lambda: ctx.draining,
-                       body_timeout_s=lambda: settings.body_timeout_s, tracing=lambda: ctx.tracing)
+    hot = HotRoutes(functools.partial(FastAPI.__call__, app), enabled=lambda: settings.hot_path)
+    app.entry = EdgeMiddleware(hot, api_keys=lambda: settings.api_keys,
+                               max_body_bytes=lambda: settings.max_body_bytes, draining=lambda: ctx.draining,
+                               body_timeout_s=lambda: settings.body_timeout_s, tracing=lambda: ctx.tracing)
     app.openapi = lambda: _openapi(app)
     return app
 

@@ -40,6 +40,7 @@ class ServerSettings:
     session_store: str | None = None        # redis://..., sqlite:///path, none; None: SQLite in data_dir
     tool_dirs: tuple[str, ...] = ()         # directories of extra tool contracts (*.yaml) beside the built-ins
     drain_grace_s: float = 10.0             # on shutdown, in-flight streams get this long to finish
+    hot_path: bool = True                   # generation endpoints skip FastAPI's router (sits.api.hot_path)
 
 
 @dataclass

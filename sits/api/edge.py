@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from sits.api.errors import error_body
+from sits.api.errors import error_body, internal_error_response
 from sits.observe import genai
 from sits.observe.tracing import close, current_scope, mark_failed, stage
 from sits.runtime.hints import RequestHints, current_hints
@@ -97,10 +97,14 @@ class EdgeMiddleware:
                                root)
         except asyncio.CancelledError:
             raise
-        except BaseException:
-            if not status_seen:        # the app's catch-all answers 500 outside this middleware
-                status_seen.append(500)
-            raise
+        except Exception:
+            if status_seen:            # FastAPI's catch-all answered 500 already (and re-raised for the log)
+                raise
+            status_seen.append(500)    # nothing was answered: a typed 500, never a bare one
+            internal = internal_error_response(method, path)
+            await send({"type": "http.response.start", "status": 500,
+                        "headers": internal.raw_headers + [rid_header] + tp_header})
+            await send({"type": "http.response.body", "body": internal.body})
         finally:
             if root is not None:
                 status = status_seen[0] if status_seen else 499
@@ -150,6 +154,7 @@ class EdgeMiddleware:
                                    "request_timeout", [(b"connection", b"close")])
             except _Disconnected:
                 return
+            scope["state"]["sits_body"] = body      # the hot path validates it from here
             receive = _replay(body, receive)
             if path.startswith("/v1/") or path.startswith("/admin/"):
                 try:

@@ -7,6 +7,7 @@ Every failure a client can cause maps to a 4xx with a stable ``code``; the handl
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -68,6 +69,9 @@ class ServiceUnavailableError(SitsError):
     http_status = 503
 
 
+UNPARSABLE_BODY = "request body is not valid JSON (UTF-8, bounded nesting and numbers)"
+
+
 def clip(text: str, limit: int = 64) -> str:
     """A client-supplied name, quoted and cut short: errors name what was wrong without echoing megabytes."""
     return repr(text if len(text) <= limit else text[:limit] + "...")
@@ -91,9 +95,8 @@ def sits_error_as_dict(err: SitsError) -> dict[str, Any]:
     return error_body(err.message, err.http_status, err.code, err.param)["error"]
 
 
-def _validation_error(exc: RequestValidationError) -> tuple[str, str, str | None]:
+def _validation_error(errors: Sequence[dict[str, Any]]) -> tuple[str, str, str | None]:
     """(message, code, param) for the first problem pydantic found in a request body."""
-    errors = exc.errors()
     if not errors:
         return "invalid request body", "invalid_request", None
     first = errors[0]
@@ -114,19 +117,35 @@ def _validation_error(exc: RequestValidationError) -> tuple[str, str, str | None
     return (f"{param}: {msg}{more}" if param else f"{msg}{more}"), "invalid_parameter", param
 
 
+def validation_error_response(errors: Sequence[dict[str, Any]]) -> JSONResponse:
+    """The 400 for a body pydantic refused (FastAPI's RequestValidationError or a ValidationError)."""
+    message, code, param = _validation_error(errors)
+    return JSONResponse(error_body(message, 400, code, param), status_code=400)
+
+
+def sits_error_response(method: str, path: str, exc: SitsError) -> JSONResponse:
+    """A typed error as its HTTP answer (with ``retry-after`` where the error names one)."""
+    if exc.http_status >= 500 and exc.http_status != 503:   # 503s (loading, draining) are expected
+        log.warning("%s %s -> %s %s: %s", method, path, exc.http_status, exc.code, exc.message)
+    retry = exc.retry_after_s
+    return error_response(exc, headers={"retry-after": str(retry)} if retry is not None else None)
+
+
+def internal_error_response(method: str, path: str) -> JSONResponse:
+    """An unexpected exception: logged with its traceback here, a bare 500 for the client."""
+    log.exception("unhandled error on %s %s", method, path)
+    return JSONResponse(error_body("internal server error; the server logged the details", 500,
+                                   "internal_error"), status_code=500)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SitsError)
     async def _sits_error(request: Request, exc: SitsError) -> JSONResponse:
-        if exc.http_status >= 500 and exc.http_status != 503:   # 503s (loading, draining) are expected
-            log.warning("%s %s -> %s %s: %s", request.method, request.url.path, exc.http_status, exc.code,
-                        exc.message)
-        retry = exc.retry_after_s
-        return error_response(exc, headers={"retry-after": str(retry)} if retry is not None else None)
+        return sits_error_response(request.method, request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, code, param = _validation_error(exc)
-        return JSONResponse(error_body(message, 400, code, param), status_code=400)
+        return validation_error_response(exc.errors())
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -135,7 +154,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 400 and "error parsing the body" in message:
             # FastAPI's answer for bodies its JSON parser cannot read (invalid UTF-8, nesting too deep,
             # a number too long to convert): the same stable code as any other malformed JSON
-            code, message = "invalid_json", "request body is not valid JSON (UTF-8, bounded nesting and numbers)"
+            code, message = "invalid_json", UNPARSABLE_BODY
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
         return JSONResponse(error_body(message, exc.status_code, code), status_code=exc.status_code,
@@ -143,6 +162,4 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body("internal server error; the server logged the details", 500,
-                                       "internal_error"), status_code=500)
+        return internal_error_response(request.method, request.url.path)

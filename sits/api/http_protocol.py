@@ -1,11 +1,18 @@
-"""uvicorn's httptools protocol with the two limits it lacks: a deadline for the request head and
-a cap on its size.
+"""uvicorn's httptools protocol with the two limits it lacks (a deadline for the request head and a
+cap on its size) and a response head that leaves with the first body bytes.
 
 Stock uvicorn arms a timer only after a response (keep-alive), so a client that opens a
 connection and trickles its headers one byte at a time (slowloris), or never sends any, holds it
 forever; and httptools accepts a request head of any size, which would let headers bypass the
 body limit. Here every connection must deliver a complete head within ``header_timeout_s``
 (else 408 and close) of no more than ``max_header_bytes`` (else 431 and close).
+
+uvicorn writes a response's status line and headers the moment the app starts the response, and
+the body in a second write. A streamed answer starts when its first token exists, so both writes
+come in the same event-loop turn, yet the client wakes for the head alone, parses it and sleeps
+again before the token arrives (and on a busy host that wake-up can take the core the server is
+using). ``_HeadWithBody`` holds the head until the next write or the end of the loop turn,
+whichever is first, so it never waits longer than the turn it was written in.
 """
 
 from __future__ import annotations
@@ -26,6 +33,43 @@ def _response(status: int, reason: str, message: str, code: str) -> bytes:
     body = json.dumps(error_body(message, status, code)).encode()
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             f"connection: close\r\n\r\n").encode() + body
+
+
+class _HeadWithBody:
+    """One response's transport: its first write (the head) is held until the next write or the end
+    of the current loop turn; everything else is the transport's own."""
+
+    __slots__ = ("_transport", "_loop", "_held", "_first")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop):
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+        self._first = True
+
+    def write(self, data: bytes) -> None:
+        if self._first:
+            self._first = False
+            self._held = data
+            self._loop.call_soon(self._flush)
+        elif self._held is not None:
+            held, self._held = self._held, None
+            self._transport.write(held + data)
+        else:
+            self._transport.write(data)
+
+    def _flush(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            if not self._transport.is_closing():
+                self._transport.write(held)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
@@ -107,6 +151,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm()
         super().on_headers_complete()
+        if self.cycle is not None:
+            self.cycle.transport = _HeadWithBody(self.transport, self.loop)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

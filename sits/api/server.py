@@ -139,5 +139,6 @@ def serve(engine_cfg: EngineConfig, settings: ServerSettings, *, host: str = "12
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             timeout_keep_alive=30, access_log=False)
     server = DrainingServer(config, app, settings.drain_grace_s)
-    asyncio.run(server.serve())
+    with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:   # uvloop where installed
+        runner.run(server.serve())
     return 1 if failed else 0

@@ -290,9 +290,12 @@ class LLMEngine:
 
     # -- conveniences ---------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        s = self.pool.stats()
-        return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running), s.usage, s.num_blocks,
-                           s.num_free, s.prefix_queries, s.prefix_hits, s.hit_rate,
+        """Cheap enough for every few steps (an instance sends it with its events): the pool's
+        counters only, not ``BlockPool.stats()``, which scans the free list."""
+        p = self.pool
+        q, free = p.prefix_queries, p.num_free
+        return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running), 1.0 - free / p.num_blocks,
+                           p.num_blocks, free, q, p.prefix_hits, p.prefix_hits / q if q else 0.0,
                            self.scheduler.num_preemptions, self.num_steps, self.cfg.policy, self.report.to_dict(),
                            self._gpu_util())
 

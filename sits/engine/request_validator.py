@@ -35,7 +35,8 @@ class RequestValidator:
         else:
             ids = list(prompt)
             vocab = self.vocab_size
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            # type() is int: bools are not token ids; one C-level pass per check (a prompt can be long)
+            if set(map(type, ids)) - {int} or (ids and (min(ids) < 0 or max(ids) >= vocab)):
                 raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})",
                                           param="prompt", code="invalid_token_id")
         if not ids:

@@ -232,6 +232,7 @@ class InstanceBackend:
                             q.put_nowait(ev)
                     if msg[2] is not None:
                         self._stats = msg[2]
+                    await asyncio.sleep(0)     # the streams write their chunks before the next frame is read
                 elif kind == "stats":
                     self._stats = msg[1]
                 elif kind == "embedded":

@@ -7,6 +7,12 @@ follow the cold start (``hello`` → ``ready`` with the ColdStartReport, or ``fa
 told to or when the front end goes away (EOF). SIGINT is ignored: a Ctrl-C in the terminal reaches
 the whole process group, and the front end must drain its streams before this process ends.
 
+Token events leave the moment a step has them; engine stats follow in their own frame. The process
+runs at a lower CPU priority than its front end (``SITS_INSTANCE_NICE``, default 10): the front
+end's work is short and sits on every token's way to a client, an engine step is long, and when
+both want a core (a host with fewer cores than the engine has threads) the short work goes first.
+On a host with spare cores it changes nothing.
+
     python -m sits.runtime.instance_worker --socket PATH --config '{"model": "models/tiny", ...}'
 """
 
@@ -23,7 +29,21 @@ import time
 
 from sits.runtime.wire import FrameDecoder, send_blocking
 
-STATS_INTERVAL_S = 0.05    # while busy, engine stats ride along with events at most this often
+STATS_INTERVAL_S = 0.05    # while busy, engine stats follow the events at most this often
+DEFAULT_NICE = 10
+
+
+def lower_priority() -> None:
+    """Step back behind the front end (see the module docstring); 0 leaves the priority as it is."""
+    try:
+        nice = int(os.environ.get("SITS_INSTANCE_NICE", DEFAULT_NICE))
+    except ValueError:
+        nice = DEFAULT_NICE
+    if nice > 0:
+        try:
+            os.nice(nice)
+        except OSError:
+            pass
 
 
 def listen_on(sock_path: str) -> socket.socket:
@@ -39,6 +59,7 @@ def serve_instance(cfg_dict: dict, sock_path: str, preloaded=None, listener: soc
     ``listener``: the socket already bound at ``sock_path`` (a zygote binds it before forking, so the
     front end can connect the moment the fork is reported)."""
     listener = listener or listen_on(sock_path)
+    lower_priority()
     conn, _ = listener.accept()
     listener.close()
     send_blocking(conn, ("hello", {"pid": os.getpid()}))
@@ -141,12 +162,12 @@ def _loop(engine, conn: socket.socket) -> int:
             events = engine.step()
             if (floor := faults.step_floor_s()) > 0:
                 time.sleep(max(0.0, floor - (time.monotonic() - t_step)))    # fault: a degraded step
+            if events:                       # tokens first: the stats below are for dashboards
+                send_blocking(conn, ("events", events, None))
             now = time.monotonic()
-            stats = None
             if now - last_stats >= STATS_INTERVAL_S or not engine.has_unfinished:
-                stats, last_stats = _stats(engine), now
-            if events or stats is not None:
-                send_blocking(conn, ("events", events, stats))
+                send_blocking(conn, ("stats", _stats(engine)))
+                last_stats = now
             dirty = True
         elif engine.idle_work():
             continue
