@@ -277,7 +277,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     result = run_serve_bench(url=args.url, model_dir=args.model, model=args.served_model, concurrency=concurrency,
                              num_requests=args.requests, prompt_words=args.prompt_words, max_tokens=args.max_tokens,
                              chat=not args.completions, repeats=repeats, json_out=args.json,
-                             docs_out=args.write_docs, engines=args.engine.split(","), server_args=server_args)
+                             docs_out=args.write_docs, engines=args.engine.split(","), server_args=server_args,
+                             baseline_args=args.baseline_args.split() if args.baseline_args else None)
     levels = [lv for lvs in result["modes"].values() for lv in lvs]
     print(json.dumps({mode: [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in lv.items()
                               if k != "error_samples"} for lv in lvs] for mode, lvs in result["modes"].items()},
@@ -453,6 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--threads", type=int, default=None, help="server CPU threads (with --model)")
     bs.add_argument("--engine", default="process,thread",
                     help="with --model: engine modes to sweep, comma-separated (default process,thread: an A/B)")
+    bs.add_argument("--baseline-args", default=None,
+                    help="with --model: per engine mode, also a server with these arguments (e.g. --no-hot-path), "
+                         "measured in the same run, runs alternating; reported as ratios")
     bs.add_argument("--quick", action="store_true", help="levels 1 and 8, one run (smoke)")
     bs.add_argument("--json", default=None)
     bs.add_argument("--write-docs", default=None)

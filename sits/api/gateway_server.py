@@ -20,7 +20,7 @@ from sits.api import admin_routes, control_routes
 from sits.api.app import create_app
 from sits.api.backend import BackendRegistry
 from sits.api.context import ServerSettings
-from sits.api.server import DrainingServer, usage_banner
+from sits.api.server import DrainingServer, event_loop_factory, serving_process_defaults, usage_banner
 from sits.runtime.gateway import Gateway
 from sits.runtime.unit_spec import UnitSpec
 
@@ -97,6 +97,7 @@ def up(config_units: list[UnitSpec], settings: ServerSettings, *, data_dir: str,
        port: int = 8000, log_level: str = "info", tick_s: float = 1.0, prefetch: bool = True) -> int:
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serving_process_defaults()
 
     async def main() -> None:
         gateway = Gateway(data_dir, tick_s=tick_s, prefetch=prefetch)
@@ -114,5 +115,6 @@ def up(config_units: list[UnitSpec], settings: ServerSettings, *, data_dir: str,
               f"sits iu deploy --file examples/chat-unit.yaml\n", file=sys.stderr, flush=True)
         await server.serve()
 
-    asyncio.run(main())
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        runner.run(main())
     return 0

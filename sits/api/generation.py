@@ -190,9 +190,12 @@ class Generation:
         model = self.backend.name
         self.inflight.add(seq.request_id, self.backend)
         prev: float | None = None
+        unobserved: tuple[TokenEvent, float | None] | None = None
         try:
             async for ev in self.backend.stream(seq):
-                self.metrics.observe_token(model, ev, prev)
+                if unobserved is not None:
+                    self.metrics.observe_token(model, *unobserved)
+                unobserved = (ev, prev)     # observed once the consumer has sent this event on
                 if ev.token_id is not None:
                     if prev is None and self.ttft_slo_ms is not None and \
                             (time.monotonic() - self.accepted_at) * 1e3 > self.ttft_slo_ms:
@@ -201,6 +204,8 @@ class Generation:
                 choice.add(ev)
                 yield i, ev
         finally:
+            if unobserved is not None:
+                self.metrics.observe_token(model, *unobserved)
             self.inflight.discard(seq.request_id)
             if choice.finish_reason is None:
                 self.metrics.observe_abort(model)

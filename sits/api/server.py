@@ -29,6 +29,23 @@ from sits.runtime.instance_client import InstanceBackend
 log = logging.getLogger("sits.serve")
 
 
+def serving_process_defaults() -> None:
+    """Process-wide settings of a serving front end. A request's prompt is tokenized on the thread
+    that handles it: the tokenizers library would hand even a batch of one to its thread pool (a
+    cross-thread round trip, and threads that compete with the engine for the cores)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def event_loop_factory():
+    """uvloop where it is installed (uvicorn[standard] brings it; uvicorn.run would pick it too, but
+    these servers run under our own asyncio runner), else asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn, but a shutdown first drains the app (streams told why they end)."""
 
@@ -118,6 +135,7 @@ def serve(engine_cfg: EngineConfig, settings: ServerSettings, *, host: str = "12
     # `--engine thread` mode shares a GIL; a one-stream probe gave ≈ 4.5 -> 3.9 ms of HTTP overhead,
     # not a recorded benchmark (docs/benchmarks.md compares the engine modes, not this setting).
     sys.setswitchinterval(switch_interval_s)
+    serving_process_defaults()
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     shown_key = settings.api_keys[0] if settings.api_keys else None
@@ -139,6 +157,6 @@ def serve(engine_cfg: EngineConfig, settings: ServerSettings, *, host: str = "12
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             timeout_keep_alive=30, access_log=False)
     server = DrainingServer(config, app, settings.drain_grace_s)
-    with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:   # uvloop where installed
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         runner.run(server.serve())
     return 1 if failed else 0

@@ -4,7 +4,10 @@ Each client streams ``/v1/chat/completions`` (or ``/v1/completions``) with ``X-S
 so every response reports the engine's own TTFT for that very request (``engine_ttft_us`` on the
 first token chunk). The baseline is therefore measured in the same run, request by request:
 HTTP overhead = TTFT seen by the client - TTFT inside the engine (validation, tokenization, HTTP
-parsing, SSE framing and the loopback network). Closed loop: C clients each send their next request
+parsing, SSE framing and the loopback network). The client's TTFT ends when the bytes of the first
+token chunk are read from its socket; the overhead up to when this client has parsed them is
+reported beside it (``overhead_parsed``: the client's own share, which a client on another host
+spends on its own cores). Closed loop: C clients each send their next request
 as soon as the previous one ends. Prompts are seeded random words, distinct per request, so the
 prefix cache does not flatter the numbers.
 
@@ -38,7 +41,8 @@ _WORDS = ("time river light house music window garden story paper market winter 
 @dataclass(slots=True)
 class RequestResult:
     ok: bool
-    ttft_s: float = 0.0               # client: request sent -> first token chunk received
+    ttft_s: float = 0.0               # client: request sent -> the bytes of the first token chunk read
+    ttft_parsed_s: float = 0.0        # ... -> that chunk parsed by this client
     engine_ttft_s: float = 0.0        # engine: arrival -> first token (from the stream metadata)
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
@@ -51,60 +55,124 @@ def make_prompt(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(words))
 
 
-class StreamClient:
-    """A lean HTTP/1.1 streaming client on one keep-alive connection (asyncio streams, no framework).
+class _ResponseParser(asyncio.Protocol):
+    """HTTP/1.1 responses on one keep-alive connection, parsed as the bytes arrive.
 
-    The benchmark measures the server, so the client must add as little as it can: it reads the
-    chunked SSE body as bytes and parses JSON only where it needs numbers (the first token chunk's
+    Every SSE event is handed on with two times: when the bytes that completed it were read from
+    the socket (``data_received``, before any parsing: what the server's overhead is measured to)
+    and when this parser had it (the client's own parsing on top).
+    """
+
+    def __init__(self) -> None:
+        self.items: asyncio.Queue = asyncio.Queue()
+        self.transport: asyncio.Transport | None = None
+        self._buf = b""
+        self._state = "head"       # head | chunk-size | chunk-data | body
+        self._need = 0
+        self._events = b""
+        self._status = 0
+        self._close = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc) -> None:
+        self.items.put_nowait(ConnectionError(f"connection closed: {exc}"))
+
+    def data_received(self, data: bytes) -> None:
+        t_recv = time.perf_counter()
+        self._buf += data
+        while True:
+            if self._state == "head":
+                end = self._buf.find(b"\r\n\r\n")
+                if end < 0:
+                    return
+                head, self._buf = self._buf[:end].decode("latin-1"), self._buf[end + 4:]
+                lines = head.split("\r\n")
+                self._status = int(lines[0].split()[1])
+                headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+                self._close = headers.get("connection") == "close"
+                if headers.get("transfer-encoding") == "chunked":
+                    self._state = "chunk-size"
+                else:
+                    self._state, self._need = "body", int(headers.get("content-length", "0"))
+            elif self._state == "chunk-size":
+                end = self._buf.find(b"\r\n")
+                if end < 0:
+                    return
+                size = int(self._buf[:end], 16)
+                self._buf = self._buf[end + 2:]
+                if size == 0:
+                    self._state, self._need = "trailer", 2
+                else:
+                    self._state, self._need = "chunk-data", size + 2
+            elif self._state == "trailer":
+                if len(self._buf) < self._need:
+                    return
+                self._buf = self._buf[self._need:]
+                self._state = "head"
+                self.items.put_nowait(("end", self._status, self._close))
+            elif self._state == "chunk-data":
+                if len(self._buf) < self._need:
+                    return
+                self._events += self._buf[:self._need - 2]
+                self._buf = self._buf[self._need:]
+                self._state = "chunk-size"
+                while b"\n\n" in self._events:
+                    event, self._events = self._events.split(b"\n\n", 1)
+                    self.items.put_nowait(("event", t_recv, time.perf_counter(), event))
+            else:                      # a Content-Length body (an error answer)
+                if len(self._buf) < self._need:
+                    return
+                body, self._buf = self._buf[:self._need], self._buf[self._need:]
+                self._state = "head"
+                self.items.put_nowait(("body", self._status, body))
+
+
+class StreamClient:
+    """A lean HTTP/1.1 streaming client on one keep-alive connection (asyncio protocol, no framework).
+
+    The benchmark measures the server, so the client adds as little as it can: responses are
+    parsed in ``data_received`` and each event carries the time its bytes were read (see
+    ``_ResponseParser``); JSON is parsed only where numbers are needed (the first token chunk's
     metadata and the usage chunk).
     """
 
     def __init__(self, url: str):
         u = httpx.URL(url)
         self.host, self.port = u.host, u.port or 80
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def _connect(self) -> None:
-        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        self.protocol: _ResponseParser | None = None
 
     async def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        if self.protocol is not None and self.protocol.transport is not None:
+            self.protocol.transport.close()
+        self.protocol = None
 
     async def post_stream(self, path: str, body: bytes):
-        """Yield (arrival time, event bytes) for each SSE event of the response; raise on non-200."""
-        if self.writer is None or self.writer.is_closing():
-            await self._connect()
+        """Yield (bytes read at, parsed at, event bytes) for each SSE event; raise on non-200."""
+        p = self.protocol
+        if p is None or p.transport is None or p.transport.is_closing():
+            _, p = await asyncio.get_running_loop().create_connection(_ResponseParser, self.host, self.port)
+            self.protocol = p
         head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\nX-SITS-Stream-Meta: 1\r\nAccept: text/event-stream\r\n\r\n")
-        self.writer.write(head.encode() + body)
-        r = self.reader
-        status = await r.readline()
-        headers = {}
-        while (line := await r.readline()) not in (b"\r\n", b""):
-            k, _, v = line.decode("latin-1").partition(":")
-            headers[k.strip().lower()] = v.strip()
-        code = int(status.split()[1])
-        if headers.get("transfer-encoding") != "chunked":
-            data = await r.readexactly(int(headers.get("content-length", "0")))
-            if code != 200:
-                raise RuntimeError(f"HTTP {code}: {data[:200]!r}")
-            return
-        buf = b""
+        p.transport.write(head.encode() + body)
         while True:
-            size = int((await r.readline()).strip(), 16)
-            if size == 0:
-                await r.readline()
-                break
-            buf += await r.readexactly(size)
-            await r.readexactly(2)
-            now = time.perf_counter()
-            while b"\n\n" in buf:
-                event, buf = buf.split(b"\n\n", 1)
-                yield now, event
-        if headers.get("connection") == "close":
-            await self.close()
+            item = await p.items.get()
+            if isinstance(item, BaseException):
+                self.protocol = None
+                raise item
+            kind = item[0]
+            if kind == "event":
+                yield item[1], item[2], item[3]
+            elif kind == "body":
+                if item[1] != 200:
+                    raise RuntimeError(f"HTTP {item[1]}: {item[2][:200]!r}")
+                return
+            else:                      # the chunked body ended
+                if item[2]:
+                    await self.close()
+                return
 
 
 async def one_request(client: StreamClient, model: str, prompt: str, max_tokens: int, chat: bool) -> RequestResult:
@@ -120,7 +188,7 @@ async def one_request(client: StreamClient, model: str, prompt: str, max_tokens:
     t0 = time.perf_counter()
     last = None
     try:
-        async for now, event in client.post_stream(path, payload):
+        async for now, parsed, event in client.post_stream(path, payload):
             if event == b"data: [DONE]":
                 continue          # read on to the end of the chunked body: the connection is reused
             if b'"usage":{' in event:
@@ -130,6 +198,7 @@ async def one_request(client: StreamClient, model: str, prompt: str, max_tokens:
             elif b'"stage":"prefill"' in event or b'"stage":"decode"' in event:
                 if last is None:
                     res.ttft_s = now - t0
+                    res.ttft_parsed_s = parsed - t0
                     meta = json.loads(event[6:])["sits"]
                     res.engine_ttft_s = meta.get("engine_ttft_us", 0) / 1e6
                 else:
@@ -140,10 +209,9 @@ async def one_request(client: StreamClient, model: str, prompt: str, max_tokens:
                 return res
         res.e2e_s = time.perf_counter() - t0
         res.ok = last is not None
-    except (OSError, RuntimeError, ValueError, asyncio.IncompleteReadError) as e:
+    except (OSError, RuntimeError, ValueError) as e:
         res.error = f"{type(e).__name__}: {e}"
         await client.close()
-        client.writer = None
     return res
 
 
@@ -171,6 +239,7 @@ async def run_level(url: str, model: str, concurrency: int, num_requests: int, p
     ttft = [r.ttft_s for r in ok]
     eng = [r.engine_ttft_s for r in ok]
     over = [r.ttft_s - r.engine_ttft_s for r in ok]
+    over_parsed = [r.ttft_parsed_s - r.engine_ttft_s for r in ok]
     itl = [x for r in ok for x in r.itl_s]
     e2e = [r.e2e_s for r in ok]
     return {
@@ -179,6 +248,7 @@ async def run_level(url: str, model: str, concurrency: int, num_requests: int, p
         "ttft_p50_ms": pct(ttft, 0.5) * 1e3, "ttft_p99_ms": pct(ttft, 0.99) * 1e3,
         "engine_ttft_p50_ms": pct(eng, 0.5) * 1e3, "engine_ttft_p99_ms": pct(eng, 0.99) * 1e3,
         "overhead_p50_ms": pct(over, 0.5) * 1e3, "overhead_p99_ms": pct(over, 0.99) * 1e3,
+        "overhead_parsed_p50_ms": pct(over_parsed, 0.5) * 1e3,
         "itl_p50_ms": pct(itl, 0.5) * 1e3, "itl_p99_ms": pct(itl, 0.99) * 1e3,
         "e2e_p50_ms": pct(e2e, 0.5) * 1e3, "e2e_p99_ms": pct(e2e, 0.99) * 1e3,
         "throughput_tok_s": sum(r.output_tokens for r in ok) / wall if wall else 0.0,
@@ -231,8 +301,8 @@ def _plot(modes: dict[str, list[dict]], path: Path) -> None:
 
 
 _COLS = ("| streams | requests | errors | TTFT p50 ms | TTFT p99 ms | engine TTFT p50 ms | overhead p50 ms | "
-         "overhead p99 ms | ITL p50 ms | ITL p99 ms | e2e p50 ms | e2e p99 ms | tok/s |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+         "overhead p99 ms | overhead p50 incl. client parse ms | ITL p50 ms | ITL p99 ms | e2e p50 ms | e2e p99 ms | "
+         "tok/s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _markdown(result: dict, command: str, plot: str | None) -> str:
@@ -241,15 +311,18 @@ def _markdown(result: dict, command: str, plot: str | None) -> str:
     lines = [DOC_BEGIN, "## Serving over HTTP (`sits bench serve`)", "", f"Command: `{command}`  ",
              f"Host: {result['host']}; model `{result['model']}`; {result['endpoint']}, prompts of "
              f"{result['prompt_words']} words (≈{first[0]['prompt_tokens_mean']:.0f} tokens), "
-             f"{result['max_tokens']} output tokens, greedy; medians of {result['repeats']} run(s) per level. "
-             "Server overhead = TTFT seen by the client − the engine's own TTFT for the same request "
-             "(from the stream metadata), so its baseline is measured request by request in the same run.", ""]
+             f"{result['max_tokens']} output tokens, greedy; medians of {result['repeats']} run(s) per level, "
+             "the servers taking turns run by run. "
+             "Server overhead = TTFT seen by the client (the first token chunk's bytes read from its socket) − "
+             "the engine's own TTFT for the same request (from the stream metadata), so its baseline is measured "
+             "request by request in the same run; the column beside it adds this client's own parsing.", ""]
     for mode, levels in modes.items():
         lines += [f"### engine mode `{mode}`", "", *_COLS]
         for lv in levels:
             lines.append(f"| {lv['concurrency']} | {lv['requests']} | {lv['errors']} | {lv['ttft_p50_ms']:.1f} | "
                          f"{lv['ttft_p99_ms']:.1f} | {lv['engine_ttft_p50_ms']:.1f} | {lv['overhead_p50_ms']:.2f} | "
-                         f"{lv['overhead_p99_ms']:.2f} | {lv['itl_p50_ms']:.1f} | {lv['itl_p99_ms']:.1f} | "
+                         f"{lv['overhead_p99_ms']:.2f} | {lv.get('overhead_parsed_p50_ms', 0.0):.2f} | "
+                         f"{lv['itl_p50_ms']:.1f} | {lv['itl_p99_ms']:.1f} | "
                          f"{lv['e2e_p50_ms']:.0f} | {lv['e2e_p99_ms']:.0f} | {lv['throughput_tok_s']:.0f} |")
         lines.append("")
     if "process" in modes and "thread" in modes:
@@ -261,6 +334,15 @@ def _markdown(result: dict, command: str, plot: str | None) -> str:
             lines.append(f"| {p['concurrency']} | {r('ttft_p50_ms')} | {r('ttft_p99_ms')} | {r('overhead_p50_ms')} | "
                          f"{r('itl_p50_ms')} | {r('throughput_tok_s')} |")
         lines.append("")
+    for mode, label in result.get("baselines", {}).items():
+        lines += [f"### `{mode}` / `{label}` (same run)", "",
+                  "| streams | TTFT p50 | overhead p50 | overhead p99 | ITL p50 | throughput |", "|---|---|---|---|---|---|"]
+        for a, b in zip(modes[mode], modes[label]):
+            def q(k):
+                return f"{a[k] / b[k]:.2f}" if b[k] else "-"
+            lines.append(f"| {a['concurrency']} | {q('ttft_p50_ms')} | {q('overhead_p50_ms')} | {q('overhead_p99_ms')} | "
+                         f"{q('itl_p50_ms')} | {q('throughput_tok_s')} |")
+        lines.append("")
     lines += ["Target: server overhead ≤ 2 ms at p50.", ""]
     if plot:
         lines += [f"![serve benchmark]({plot})", ""]
@@ -268,48 +350,69 @@ def _markdown(result: dict, command: str, plot: str | None) -> str:
     return "\n".join(lines)
 
 
-def sweep(url: str, model: str | None, concurrency: list[int], num_requests: int | None, prompt_words: int,
-          max_tokens: int, chat: bool, repeats: int, label: str) -> tuple[str, list[dict]]:
+def _warm(url: str, model: str | None, prompt_words: int, chat: bool, label: str) -> str:
     models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
     name = model or models[0]["id"]
     log(f"[{label}] warming up {url} ({name})")
     asyncio.run(run_level(url, name, 2, 4, prompt_words, 4, chat, seed=999))
-    levels = []
+    return name
+
+
+def sweep(targets: dict[str, str], model: str | None, concurrency: list[int], num_requests: int | None,
+          prompt_words: int, max_tokens: int, chat: bool, repeats: int) -> tuple[str, dict[str, list[dict]]]:
+    """Every level against every target (label -> URL), the targets taking turns run by run, so a
+    drift of the host (another process, thermal state) lands on all of them alike."""
+    names = {label: _warm(url, model, prompt_words, chat, label) for label, url in targets.items()}
+    out: dict[str, list[dict]] = {label: [] for label in targets}
     for c in concurrency:
         n = num_requests or max(16, 2 * c)
-        runs = []
+        runs: dict[str, list[dict]] = {label: [] for label in targets}
         for r in range(repeats):
-            lv = asyncio.run(run_level(url, name, c, n, prompt_words, max_tokens, chat, seed=c * 100 + r))
-            log(f"[{label}] {c} streams, run {r + 1}/{repeats}: ttft p50 {lv['ttft_p50_ms']:.1f} ms "
-                f"(engine {lv['engine_ttft_p50_ms']:.1f}), overhead p50 {lv['overhead_p50_ms']:.2f} ms, "
-                f"itl p50 {lv['itl_p50_ms']:.1f} ms, {lv['throughput_tok_s']:.0f} tok/s, errors {lv['errors']}")
-            runs.append(lv)
-        levels.append(_median_runs(runs))
-    return name, levels
+            for label, url in targets.items():
+                lv = asyncio.run(run_level(url, names[label], c, n, prompt_words, max_tokens, chat, seed=c * 100 + r))
+                log(f"[{label}] {c} streams, run {r + 1}/{repeats}: ttft p50 {lv['ttft_p50_ms']:.1f} ms "
+                    f"(engine {lv['engine_ttft_p50_ms']:.1f}), overhead p50 {lv['overhead_p50_ms']:.2f} ms, "
+                    f"itl p50 {lv['itl_p50_ms']:.1f} ms, {lv['throughput_tok_s']:.0f} tok/s, errors {lv['errors']}")
+                runs[label].append(lv)
+        for label in targets:
+            out[label].append(_median_runs(runs[label]))
+    return next(iter(names.values())), out
 
 
 def run_serve_bench(*, url: str | None, model_dir: str | None, model: str | None, concurrency: list[int],
                     num_requests: int | None, prompt_words: int, max_tokens: int, chat: bool, repeats: int,
                     json_out: str | None, docs_out: str | None, engines: list[str] | None = None,
-                    server_args: list[str] | None = None) -> dict:
-    """Sweep concurrency against ``url``, or against ``sits serve --model model_dir`` once per engine mode."""
-    modes: dict[str, list[dict]] = {}
+                    server_args: list[str] | None = None, baseline_args: list[str] | None = None) -> dict:
+    """Sweep concurrency against ``url``, or against ``sits serve --model model_dir`` once per engine
+    mode; ``baseline_args`` adds, per mode, a server started with those arguments (e.g.
+    ``--no-hot-path``), measured in the same run and reported as ratios."""
     if url is not None:
-        name, modes["server"] = sweep(url, model, concurrency, num_requests, prompt_words, max_tokens, chat,
-                                      repeats, "server")
+        name, modes = sweep({"server": url}, model, concurrency, num_requests, prompt_words, max_tokens, chat,
+                            repeats)
+        baselines: dict[str, str] = {}
     else:
         if model_dir is None:
             raise ValueError("give --url of a running server or --model DIR to start one")
+        variants: dict[str, list[str]] = {}
+        baselines = {}
         for mode in engines or ["process"]:
-            proc, mode_url = start_sits(["serve", "--model", model_dir, "--engine", mode, *(server_args or [])])
-            try:
-                name, modes[mode] = sweep(mode_url, model, concurrency, num_requests, prompt_words, max_tokens,
-                                          chat, repeats, mode)
-            finally:
+            variants[mode] = ["--engine", mode]
+            if baseline_args:
+                label = f"{mode}, {' '.join(baseline_args)}"
+                variants[label] = ["--engine", mode, *baseline_args]
+                baselines[mode] = label
+        started: dict[str, tuple] = {}
+        try:
+            for label, extra in variants.items():
+                started[label] = start_sits(["serve", "--model", model_dir, *extra, *(server_args or [])])
+            name, modes = sweep({label: u for label, (_, u) in started.items()}, model, concurrency, num_requests,
+                                prompt_words, max_tokens, chat, repeats)
+        finally:
+            for proc, _ in started.values():
                 stop_sits(proc)
     result = {"url": url, "model": model_dir or name, "endpoint": "/v1/chat/completions" if chat else "/v1/completions",
               "prompt_words": prompt_words, "max_tokens": max_tokens, "repeats": repeats, "modes": modes,
-              "host": f"{os.cpu_count()} CPU cores, client and server on the same host"}
+              "baselines": baselines, "host": f"{os.cpu_count()} CPU cores, client and server on the same host"}
     command = bench_command("serve")
     write_json(json_out, result)
     if docs_out:

@@ -204,6 +204,7 @@ class Tokenizer:
                  pad_token: str | None = None, chat_template: str | None = None,
                  source: str = "tokenizer"):
         self.backend = backend
+        self._encode_fast = getattr(backend, "encode_batch_fast", None)    # tokenizers >= 0.21
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids = eos_token_ids
         self.bos_token_id = bos_token_id
@@ -271,6 +272,8 @@ class Tokenizer:
                 f"the text has {len(text)} characters; at most {self.max_token_chars} characters per token, "
                 f"it cannot fit in this model's {max_tokens} tokens", param="prompt")
         try:
+            if self._encode_fast is not None:     # no character offsets: ~20 % less per call
+                return self._encode_fast([text], add_special_tokens=add_special_tokens)[0].ids
             return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:
             if any("\ud800" <= ch <= "\udfff" for ch in text):
