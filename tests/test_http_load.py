@@ -149,3 +149,58 @@ def test_the_instance_ignores_a_terminal_ctrl_c(serve_tiny):
     assert backend.proc.poll() is None
     r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
     assert r.status_code == 200
+
+
+def test_the_instance_runs_behind_its_front_end(server):
+    """The engine process steps back (nice) so the front end's short, per-token work gets a core first."""
+    import os
+    from sits.runtime.instance_worker import DEFAULT_NICE
+    backend = _backend(server)
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, backend.pid) == min(19, mine + DEFAULT_NICE)
+
+
+def test_the_response_head_leaves_with_the_first_chunk():
+    """uvicorn writes a head and its first body bytes separately; the server's protocol joins them
+    (one write, so the client wakes once), and a head written alone still leaves within the turn."""
+    from sits.api.http_protocol import _HeadWithBody
+
+    class Transport:
+        def __init__(self):
+            self.writes, self.closed = [], False
+
+        def write(self, data):
+            self.writes.append(data)
+
+        def is_closing(self):
+            return self.closed
+
+        def close(self):
+            self.closed = True
+
+        def get_extra_info(self, name):
+            return ("127.0.0.1", 1) if name == "peername" else None
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        t = Transport()
+        w = _HeadWithBody(t, loop)
+        w.write(b"HEAD")
+        w.write(b"chunk-1")
+        w.write(b"chunk-2")
+        assert t.writes == [b"HEADchunk-1", b"chunk-2"]
+        await asyncio.sleep(0)
+        assert t.writes == [b"HEADchunk-1", b"chunk-2"]        # nothing held, nothing written twice
+        t2 = Transport()
+        w2 = _HeadWithBody(t2, loop)
+        w2.write(b"HEAD")
+        assert t2.writes == []
+        await asyncio.sleep(0)                                  # the end of the turn flushes it
+        assert t2.writes == [b"HEAD"]
+        t3 = Transport()
+        w3 = _HeadWithBody(t3, loop)
+        w3.write(b"HEAD")
+        w3.close()                                              # closing never drops a held head
+        assert t3.writes == [b"HEAD"] and t3.closed
+        assert w3.get_extra_info("peername") == ("127.0.0.1", 1)
+    asyncio.run(run())

@@ -30,7 +30,7 @@ from sits.engine.request_validator import RequestValidator
 from sits.engine.sampling_params import SamplingParams
 from sits.engine.sequence import Sequence
 from sits.engine.tokenizer import Tokenizer
-from sits.runtime.wire import encode, read_frame
+from sits.runtime.wire import FrameDecoder, encode, read_frame
 
 
 def _remote_error(code: str, message: str, param: str | None, status: int) -> SitsError:
@@ -220,35 +220,47 @@ class InstanceBackend:
         if self._dead is None and not self._writer.is_closing():
             self._writer.write(encode(msg))
 
+    def _dispatch(self, msg: tuple) -> bool:
+        """Hand one frame to whoever waits for it; True when it carried token events."""
+        kind = msg[0]
+        if kind == "events":
+            for ev in msg[1]:
+                q = self._streams.get(ev.request_id)
+                if q is not None:
+                    q.put_nowait(ev)
+            if msg[2] is not None:
+                self._stats = msg[2]
+            return True
+        if kind == "stats":
+            self._stats = msg[1]
+        elif kind == "embedded":
+            fut = self._embeds.get(msg[1])
+            if fut is not None and not fut.done():
+                fut.set_result(msg[2])
+        elif kind == "pong":
+            self.last_pong = time.monotonic()
+            self._ping_sent = None
+        elif kind == "error":
+            _, rid, code, message, param, status = msg
+            q = self._streams.get(rid)
+            if q is not None:
+                q.put_nowait(_remote_error(code, message, param, status))
+            elif (fut := self._embeds.get(rid)) is not None and not fut.done():
+                fut.set_exception(_remote_error(code, message, param, status))
+        return False
+
     async def _read_loop(self) -> None:
+        decoder = FrameDecoder()       # one read per burst of frames, not two awaits per frame
         try:
             while True:
-                msg = await read_frame(self._reader)
-                kind = msg[0]
-                if kind == "events":
-                    for ev in msg[1]:
-                        q = self._streams.get(ev.request_id)
-                        if q is not None:
-                            q.put_nowait(ev)
-                    if msg[2] is not None:
-                        self._stats = msg[2]
-                    await asyncio.sleep(0)     # the streams write their chunks before the next frame is read
-                elif kind == "stats":
-                    self._stats = msg[1]
-                elif kind == "embedded":
-                    fut = self._embeds.get(msg[1])
-                    if fut is not None and not fut.done():
-                        fut.set_result(msg[2])
-                elif kind == "pong":
-                    self.last_pong = time.monotonic()
-                    self._ping_sent = None
-                elif kind == "error":
-                    _, rid, code, message, param, status = msg
-                    q = self._streams.get(rid)
-                    if q is not None:
-                        q.put_nowait(_remote_error(code, message, param, status))
-                    elif (fut := self._embeds.get(rid)) is not None and not fut.done():
-                        fut.set_exception(_remote_error(code, message, param, status))
+                data = await self._reader.read(1 << 20)
+                if not data:
+                    raise asyncio.IncompleteReadError(b"", None)
+                delivered = False
+                for msg in decoder.feed(data):
+                    delivered |= self._dispatch(msg)
+                if delivered:
+                    await asyncio.sleep(0)     # the streams write their chunks before the next read
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
             reason = "the instance process exited" if isinstance(e, asyncio.IncompleteReadError) else repr(e)
         except asyncio.CancelledError:
