@@ -16,15 +16,20 @@ MODES = {"off": ["--trace-exporter", "none"], "on": ["--trace-exporter", "memory
 
 def run_tracing_bench(model_dir: str, *, concurrency: list[int], repeats: int, rounds: int = 2,
                       json_out: str | None = None, docs_out: str | None = None, engine: str = "process") -> dict:
-    """``rounds`` alternations of off/on (so drift on a busy host hits both), medians over all runs."""
+    """Both servers up at once, taking turns run by run (so drift on a busy host hits both alike);
+    ``rounds`` fresh pairs of servers, medians over all runs."""
     runs: dict[str, list[list[dict]]] = {m: [] for m in MODES}
-    for r in range(rounds):
-        for mode, args in MODES.items():
-            proc, url = start_sits(["serve", "--model", model_dir, "--engine", engine, *args])
-            try:
-                _, levels = sweep(url, None, concurrency, None, 48, 16, True, repeats, f"tracing {mode} #{r + 1}")
-                runs[mode].append(levels)
-            finally:
+    for _ in range(rounds):
+        started = {}
+        try:
+            for mode, args in MODES.items():
+                started[mode] = start_sits(["serve", "--model", model_dir, "--engine", engine, *args])
+            _, levels = sweep({mode: url for mode, (_, url) in started.items()}, None, concurrency, None,
+                              48, 16, True, repeats)
+            for mode in MODES:
+                runs[mode].append(levels[mode])
+        finally:
+            for proc, _ in started.values():
                 stop_sits(proc)
     table = []
     for i, c in enumerate(concurrency):
@@ -46,8 +51,8 @@ def run_tracing_bench(model_dir: str, *, concurrency: list[int], repeats: int, r
 
 def _markdown(r: dict, command: str) -> str:
     lines = [DOC_BEGIN, "## Tracing overhead (`sits bench tracing`)", "", f"Command: `{command}`  ",
-             f"{r['host']}; engine mode {r['engine']}; chat completions, 48-word prompts, 16 tokens; off / on "
-             f"alternated {r['rounds']}x, medians of all runs. \"on\" records every span of every request "
+             f"{r['host']}; engine mode {r['engine']}; chat completions, 48-word prompts, 16 tokens; the off and on servers up together, "
+             f"taking turns run by run, {r['rounds']} pair(s) of servers, medians of all runs. \"on\" records every span of every request "
              "(all levels kept) into the in-memory exporter.", "",
              "| streams | TTFT p50 off (ms) | TTFT p50 on (ms) | on / off | server overhead p50 off (ms) | on (ms) |",
              "|---:|---:|---:|---:|---:|---:|"]
