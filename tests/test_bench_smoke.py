@@ -21,9 +21,13 @@ def test_quick_engine_bench_writes_json_and_docs(tiny_model_dir, tmp_path):
         for key in ("ttft_p50_ms", "ttft_p99_ms", "ttft_cv", "itl_p50_ms", "itl_p99_ms", "throughput_tok_s"):
             assert data["bursty"][pol][key] > 0
         assert data["bursty"][pol]["num_requests"] == 12
+    iso = data["bursty"]["isolated"]          # the floor: each request alone on an idle engine
+    assert iso["num_requests"] == 12 and iso["ttft_cv"] > 0
+    assert iso["ttft_p50_ms"] <= data["bursty"]["fcfs"]["ttft_p50_ms"]
     assert set(data["decode"]) == {"1", "8"}
     assert data["prefix"]["on"]["prefix_hit_rate"] > 0.5 and data["prefix"]["off"]["prefix_hit_rate"] == 0
     text = docs.read_text()
+    assert "Each request alone on an idle engine" in text
     assert "intro kept" in text and text.count(DOC_BEGIN) == 1 and DOC_END in text
     assert (tmp_path / "img" / "engine_bench.png").stat().st_size > 1000
     run_engine_bench(tiny_model_dir, docs_out=str(docs), quick=True, only=["prefix"])

@@ -2,8 +2,8 @@
 
 ``InstanceBackend.spawn`` starts ``sits.runtime.instance_worker`` on a private Unix socket and follows
 its cold start. Requests are validated and tokenized here, in the front end's process, with the
-engine's own rules (``RequestValidator``); only token ids cross the socket. One reader task
-dispatches each step's events to per-request queues. If the process dies, every open stream gets
+engine's own rules (``RequestValidator``); only token ids cross the socket. Each step's events
+are dispatched to per-request queues from the socket's ``data_received`` (``FrameProtocol``). If the process dies, every open stream gets
 ``EngineDeadError`` at once and ``ready`` turns false.
 """
 
@@ -30,7 +30,7 @@ from sits.engine.request_validator import RequestValidator
 from sits.engine.sampling_params import SamplingParams
 from sits.engine.sequence import Sequence
 from sits.engine.tokenizer import Tokenizer
-from sits.runtime.wire import FrameDecoder, encode, read_frame
+from sits.runtime.wire import FrameProtocol, encode
 
 
 def _remote_error(code: str, message: str, param: str | None, status: int) -> SitsError:
@@ -40,8 +40,8 @@ def _remote_error(code: str, message: str, param: str | None, status: int) -> Si
 
 
 class InstanceBackend:
-    def __init__(self, name: str, cfg: EngineConfig, proc: subprocess.Popen, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter, info: dict, tokenizer: Tokenizer, sock_dir: str):
+    def __init__(self, name: str, cfg: EngineConfig, proc: subprocess.Popen, conn: FrameProtocol,
+                 info: dict, tokenizer: Tokenizer, sock_dir: str):
         self.name = name
         self.cfg = cfg
         self.root = str(cfg.model)
@@ -55,7 +55,7 @@ class InstanceBackend:
                                           block_size=info["block_size"], num_kv_blocks=info["num_kv_blocks"])
         self.kv_capacity_tokens = self.validator.kv_capacity_tokens
         self.cold_start = info["cold_start"]
-        self._reader, self._writer = reader, writer
+        self._conn = conn
         self._sock_dir = sock_dir
         self._streams: dict[str, asyncio.Queue] = {}
         self._embeds: dict[str, asyncio.Future] = {}
@@ -66,7 +66,10 @@ class InstanceBackend:
         self.last_pong = time.monotonic()        # health: the instance answered a ping (or just started)
         self._ping_seq = 0
         self._ping_sent: float | None = None     # an unanswered ping went out at this time
-        self._reader_task = asyncio.get_running_loop().create_task(self._read_loop(), name=f"instance-{name}")
+        conn.on_lost = self._lost
+        conn.on_frame = self._dispatch
+        if conn.lost is not None:
+            self._lost(conn.lost)
 
     # -- start ----------------------------------------------------------------------------------------
     @classmethod
@@ -95,12 +98,12 @@ class InstanceBackend:
             on_phase("spawned", {"pid": proc.pid})
         try:
             tokenizer_task = asyncio.create_task(asyncio.to_thread(Tokenizer.from_dir, cfg.model))
-            reader, writer = await asyncio.wait_for(cls._connect(path, proc), start_timeout_s)
-            hello = await read_frame(reader)
+            conn = await asyncio.wait_for(cls._connect(path, proc), start_timeout_s)
+            hello = await conn.next_frame()
             assert hello[0] == "hello", hello
             if on_phase is not None:
                 on_phase("loading", hello[1])
-            msg = await asyncio.wait_for(read_frame(reader), start_timeout_s)
+            msg = await asyncio.wait_for(conn.next_frame(), start_timeout_s)
             if msg[0] == "fatal":
                 raise ModelLoadError(f"instance for {cfg.model} failed to start: {msg[2]}", code=msg[1])
             assert msg[0] == "ready", msg
@@ -110,16 +113,18 @@ class InstanceBackend:
             await asyncio.to_thread(proc.wait)
             shutil.rmtree(sock_dir, ignore_errors=True)
             raise
-        return cls(name, cfg, proc, reader, writer, msg[1], tokenizer, sock_dir)
+        return cls(name, cfg, proc, conn, msg[1], tokenizer, sock_dir)
 
     @staticmethod
-    async def _connect(path: str, proc: subprocess.Popen):
+    async def _connect(path: str, proc: subprocess.Popen) -> FrameProtocol:
+        loop = asyncio.get_running_loop()
         while True:
             if proc.poll() is not None:
                 raise ModelLoadError(f"instance process exited with {proc.returncode} before listening")
             if os.path.exists(path):
                 try:
-                    return await asyncio.open_unix_connection(path)
+                    _, conn = await loop.create_unix_connection(FrameProtocol, path)
+                    return conn
                 except (ConnectionRefusedError, FileNotFoundError):
                     pass
             await asyncio.sleep(0.002)
@@ -211,17 +216,17 @@ class InstanceBackend:
         except TimeoutError:
             self.proc.kill()
             await asyncio.to_thread(self.proc.wait)
-        self._writer.close()
-        self._reader_task.cancel()
+        if self._conn.transport is not None:
+            self._conn.transport.close()
         shutil.rmtree(self._sock_dir, ignore_errors=True)
 
     # -- the socket -----------------------------------------------------------------------------------
     def _send(self, msg: tuple) -> None:
-        if self._dead is None and not self._writer.is_closing():
-            self._writer.write(encode(msg))
+        if self._dead is None:
+            self._conn.write(encode(msg))
 
-    def _dispatch(self, msg: tuple) -> bool:
-        """Hand one frame to whoever waits for it; True when it carried token events."""
+    def _dispatch(self, msg: tuple) -> None:
+        """Hand one frame to whoever waits for it (called from the socket's ``data_received``)."""
         kind = msg[0]
         if kind == "events":
             for ev in msg[1]:
@@ -230,7 +235,7 @@ class InstanceBackend:
                     q.put_nowait(ev)
             if msg[2] is not None:
                 self._stats = msg[2]
-            return True
+            return
         if kind == "stats":
             self._stats = msg[1]
         elif kind == "embedded":
@@ -247,26 +252,11 @@ class InstanceBackend:
                 q.put_nowait(_remote_error(code, message, param, status))
             elif (fut := self._embeds.get(rid)) is not None and not fut.done():
                 fut.set_exception(_remote_error(code, message, param, status))
-        return False
 
-    async def _read_loop(self) -> None:
-        decoder = FrameDecoder()       # one read per burst of frames, not two awaits per frame
-        try:
-            while True:
-                data = await self._reader.read(1 << 20)
-                if not data:
-                    raise asyncio.IncompleteReadError(b"", None)
-                delivered = False
-                for msg in decoder.feed(data):
-                    delivered |= self._dispatch(msg)
-                if delivered:
-                    await asyncio.sleep(0)     # the streams write their chunks before the next read
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
-            reason = "the instance process exited" if isinstance(e, asyncio.IncompleteReadError) else repr(e)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a protocol bug: fail loudly, the same way
-            reason = f"protocol error: {e!r}"
+    def _lost(self, reason: str) -> None:
+        """The connection ended: every open stream and embedding gets EngineDeadError at once."""
+        if self._dead is not None:
+            return
         self._dead = reason
         if not self._closing:
             err = EngineDeadError(f"the instance of {self.name} died: {reason}")
