@@ -1,0 +1,81 @@
+"""Frames between a front end and an instance: the asyncio side (``FrameProtocol``) over a real socket."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import pytest
+import uvloop
+
+from sits.runtime.wire import FrameProtocol, encode, send_blocking
+
+
+async def _connected() -> tuple[FrameProtocol, socket.socket]:
+    ours, theirs = socket.socketpair()
+    _, conn = await asyncio.get_running_loop().create_unix_connection(FrameProtocol, sock=ours)
+    return conn, theirs
+
+
+LOOPS = pytest.mark.parametrize("loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop],
+                                ids=["asyncio", "uvloop"])     # sits serve runs on uvloop
+
+
+@LOOPS
+def test_handshake_frames_queue_then_frames_go_straight_to_on_frame(loop_factory):
+    async def main():
+        conn, peer = await _connected()
+        send_blocking(peer, ("hello", {"pid": 1}))
+        send_blocking(peer, ("ready", {"max_model_len": 64}))
+        assert await conn.next_frame() == ("hello", {"pid": 1})
+        assert await conn.next_frame() == ("ready", {"max_model_len": 64})
+        got: list[tuple] = []
+        conn.on_frame = got.append
+        # three frames in one send, the last one split across two: each delivered whole, in order
+        burst = encode(("events", [1], None)) + encode(("stats", 7)) + encode(("pong", 3))
+        peer.sendall(burst[:-3])
+        await asyncio.sleep(0.05)
+        assert got == [("events", [1], None), ("stats", 7)]
+        peer.sendall(burst[-3:])
+        await asyncio.sleep(0.05)
+        assert got[-1] == ("pong", 3)
+        assert conn.write(encode(("ping", 1)))
+        peer.setblocking(False)
+        await asyncio.sleep(0.05)
+        data = peer.recv(1 << 16)
+        assert data == encode(("ping", 1))
+        peer.close()
+
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(main())
+
+
+@LOOPS
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_the_end_of_the_connection_is_told_once_with_a_reason(corrupt, loop_factory):
+    async def main():
+        conn, peer = await _connected()
+        lost: list[str] = []
+        conn.on_lost = lost.append
+        if corrupt:        # a length prefix and bytes that are no pickle
+            peer.sendall(struct.pack(">I", 3) + b"\xff\xfe\xfd")
+        else:
+            peer.close()
+        for _ in range(100):
+            if lost:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert len(lost) == 1
+        assert lost[0].startswith("protocol error") if corrupt else lost[0] == "the peer process exited"
+        with pytest.raises(asyncio.IncompleteReadError):
+            await conn.next_frame()
+        with pytest.raises(asyncio.IncompleteReadError):     # and again: the end stays the end
+            await conn.next_frame()
+        assert conn.write(b"x") is False
+        if corrupt:
+            peer.close()
+
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(main())
