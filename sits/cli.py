@@ -260,7 +260,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from sits.bench.engine_bench import run_engine_bench
     result = run_engine_bench(args.model, json_out=args.json, docs_out=args.write_docs, quick=args.quick,
-                              only=args.only, threads=args.threads, repeats=args.repeats)
+                              only=args.only, threads=args.threads, repeats=args.repeats, device=args.device,
+                              dtype=args.dtype)
     print(json.dumps(result["summary"], indent=2))
     return 0
 
@@ -403,6 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--quick", action="store_true", help="smaller workload (smoke run)")
     be.add_argument("--only", choices=["bursty", "decode", "prefix"], action="append")
     be.add_argument("--threads", type=int, default=None)
+    be.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto: the engine and the HF baseline alike")
+    be.add_argument("--dtype", default="float32", help="weights and KV cache, for both (float32, bfloat16, float16)")
     be.add_argument("--repeats", type=int, default=None, help="runs per figure, median reported (default 3; 1 with --quick)")
     be.set_defaults(func=cmd_bench_engine)
     bc = bench.add_parser("coldstart", help="no instance -> first token: naive transformers vs SITS cold vs warm")

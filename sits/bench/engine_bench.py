@@ -56,8 +56,27 @@ def bursty_workload(vocab: int, n: int = 48, bursts: int = 4, gap_s: float = 6.0
     return sorted(out, key=lambda a: a.at_s)
 
 
-def _engine(model: str, threads: int | None, **kw) -> LLMEngine:
-    cfg = EngineConfig(model=model, device="cpu", threads=threads, **kw)
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    """Where the engine and the Hugging Face baseline run: the same device, dtype and threads."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int | None = None
+
+    def sync(self) -> None:
+        """Wait for queued device work, so a timer read after it counts it (a no-op on CPU)."""
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(self.device)
+
+    def describe(self) -> str:
+        if self.device.startswith("cuda"):
+            return f"{torch.cuda.get_device_name(self.device)}, torch {torch.__version__}, {self.dtype}"
+        return f"{os.cpu_count()} CPU cores, torch {torch.__version__}, {self.dtype}"
+
+
+def _engine(model: str, hw: Hardware, **kw) -> LLMEngine:
+    cfg = EngineConfig(model=model, device=hw.device, dtype=hw.dtype, threads=hw.threads, **kw)
     return LLMEngine(cfg)
 
 
@@ -118,7 +137,7 @@ def isolated_ttft(engine: LLMEngine, arrivals: list[Arrival]) -> dict:
             "ttft_s": sorted(ttft)}
 
 
-def bench_bursty(model: str, threads: int | None, quick: bool, repeats: int) -> dict:
+def bench_bursty(model: str, hw: Hardware, quick: bool, repeats: int) -> dict:
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     if quick:
         arrivals = bursty_workload(vocab, n=12, bursts=2, gap_s=2.0, prompt_range=(16, 256), output_range=(8, 32))
@@ -129,7 +148,7 @@ def bench_bursty(model: str, threads: int | None, quick: bool, repeats: int) -> 
         runs = []
         for r in range(repeats):
             _log(f"bursty: policy={policy} run {r + 1}/{repeats} ({len(arrivals)} requests)")
-            eng = _engine(model, threads, policy=policy, enable_prefix_caching=False)
+            eng = _engine(model, hw, policy=policy, enable_prefix_caching=False)
             runs.append(replay(eng, arrivals))
             _log(f"  ttft_p50 {runs[-1]['ttft_p50_ms']:.0f} ms, p99 {runs[-1]['ttft_p99_ms']:.0f} ms, "
                  f"itl_p50 {runs[-1]['itl_p50_ms']:.0f} ms, {runs[-1]['throughput_tok_s']:.1f} tok/s")
@@ -139,7 +158,7 @@ def bench_bursty(model: str, threads: int | None, quick: bool, repeats: int) -> 
         res[policy] = {k: statistics.median(run[k] for run in runs) for k in keys}
         res[policy]["ttft_s"] = runs[len(runs) // 2]["ttft_s"]
     _log(f"bursty: each of the {len(arrivals)} requests alone on an idle engine (the TTFT floor)")
-    eng = _engine(model, threads, policy="pfsd", enable_prefix_caching=False)
+    eng = _engine(model, hw, policy="pfsd", enable_prefix_caching=False)
     eng.generate([arrivals[0].prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm
     res["isolated"] = isolated_ttft(eng, arrivals)
     _log(f"  isolated: ttft_p50 {res['isolated']['ttft_p50_ms']:.0f} ms, ttft_cv {res['isolated']['ttft_cv']:.2f}")
@@ -160,40 +179,46 @@ def _sits_decode(eng: LLMEngine, prompts: list[list[int]], out_len: int) -> floa
     return sum(len(r["token_ids"]) for r in results) / dt
 
 
-def _hf_decode(hf, prompts: list[list[int]], out_len: int, batched: bool, pad_id: int) -> float:
+def _hf_decode(hf, prompts: list[list[int]], out_len: int, batched: bool, pad_id: int, hw: Hardware) -> float:
     kw = dict(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=pad_id)
+    dev = hw.device
+    hw.sync()
     t0 = time.perf_counter()
     n = 0
     with torch.inference_mode():
         if batched:
             width = max(len(p) for p in prompts)
-            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=dev)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
             out = hf.generate(input_ids=ids, attention_mask=mask, **kw)
             n = (out.shape[1] - width) * len(prompts)
         else:
             for p in prompts:
-                out = hf.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), **kw)
+                out = hf.generate(input_ids=torch.tensor([p], device=dev),
+                                  attention_mask=torch.ones(1, len(p), dtype=torch.long, device=dev), **kw)
                 n += out.shape[1] - len(p)
+    hw.sync()
     return n / (time.perf_counter() - t0)
 
 
-def bench_decode(model: str, threads: int | None, quick: bool, repeats: int) -> dict:
+def bench_decode(model: str, hw: Hardware, quick: bool, repeats: int) -> dict:
     from transformers import LlamaForCausalLM as HFLlama   # benchmark-only dependency
+
+    from sits.engine.config import resolve_dtype
 
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     rng = random.Random(1)
     out_len = 16 if quick else 64
     levels = [1, 8] if quick else [1, 8, 32]
-    eng = _engine(model, threads, enable_prefix_caching=False)
-    hf = HFLlama.from_pretrained(model, torch_dtype=torch.float32).eval()
+    eng = _engine(model, hw, enable_prefix_caching=False)
+    hf = HFLlama.from_pretrained(model, torch_dtype=resolve_dtype(hw.dtype)).to(hw.device).eval()
     res: dict[str, dict] = {}
     for c in levels:
         prompts = [[rng.randrange(5, vocab) for _ in range(32)] for _ in range(c)]
         row = {}
         for name, fn in (("sits", lambda: _sits_decode(eng, prompts, out_len)),
-                         ("hf_sequential", lambda: _hf_decode(hf, prompts, out_len, False, 2)),
-                         ("hf_batched", lambda: _hf_decode(hf, prompts, out_len, True, 2))):
+                         ("hf_sequential", lambda: _hf_decode(hf, prompts, out_len, False, 2, hw)),
+                         ("hf_batched", lambda: _hf_decode(hf, prompts, out_len, True, 2, hw))):
             vals = []
             for r in range(repeats):
                 vals.append(fn())
@@ -205,7 +230,7 @@ def bench_decode(model: str, threads: int | None, quick: bool, repeats: int) -> 
     return res
 
 
-def bench_prefix(model: str, threads: int | None, quick: bool, repeats: int) -> dict:
+def bench_prefix(model: str, hw: Hardware, quick: bool, repeats: int) -> dict:
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     rng = random.Random(2)
     system = [rng.randrange(5, vocab) for _ in range(512)]
@@ -213,7 +238,7 @@ def bench_prefix(model: str, threads: int | None, quick: bool, repeats: int) -> 
     users = [[rng.randrange(5, vocab) for _ in range(32)] for _ in range(n + 1)]
     res = {}
     for label, on in (("off", False), ("on", True)):
-        eng = _engine(model, threads, enable_prefix_caching=on)
+        eng = _engine(model, hw, enable_prefix_caching=on)
         ttfts = []
         for r in range(repeats):
             for i, u in enumerate(users):
@@ -296,7 +321,8 @@ def _markdown(result: dict, command: str, plot: str | None) -> str:
                       "1024-token prefill of this model costs about what a 16-token one does."]
         lines.append("")
     if "decode" in result:
-        lines += ["### 2. Decode throughput vs Hugging Face `generate` (same weights, fp32, greedy)", "",
+        lines += [f"### 2. Decode throughput vs Hugging Face `generate` (same weights, {result.get('dtype', 'float32')}, "
+                  "greedy)", "",
                   "| concurrent seqs | SITS tok/s | HF one-at-a-time tok/s | HF batched tok/s | × HF seq | × HF batched |",
                   "|---|---|---|---|---|---|"]
         for c, r in result["decode"].items():
@@ -318,7 +344,8 @@ def _markdown(result: dict, command: str, plot: str | None) -> str:
 
 
 def run_engine_bench(model: str, json_out: str | None = None, docs_out: str | None = None, quick: bool = False,
-                     only: list[str] | None = None, threads: int | None = None, repeats: int | None = None) -> dict:
+                     only: list[str] | None = None, threads: int | None = None, repeats: int | None = None,
+                     device: str = "cpu", dtype: str = "float32") -> dict:
     from sits.engine.config import ModelConfig
     cfg = ModelConfig.from_dir(model)
     params = (cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
@@ -326,15 +353,18 @@ def run_engine_bench(model: str, json_out: str | None = None, docs_out: str | No
                                          * cfg.head_dim + cfg.num_attention_heads * cfg.head_dim * cfg.hidden_size
                                          + 3 * cfg.hidden_size * cfg.intermediate_size))
     repeats = repeats or (1 if quick else 3)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    hw = Hardware(device, dtype, threads)
     which = only or ["bursty", "decode", "prefix"]
     result: dict = {"model": model, "params_m": params / 1e6, "repeats": repeats, "quick": quick,
-                    "host": f"{os.cpu_count()} CPU cores, torch {torch.__version__}"}
+                    "host": hw.describe(), "device": device, "dtype": dtype}
     if "bursty" in which:
-        result["bursty"] = bench_bursty(model, threads, quick, repeats)
+        result["bursty"] = bench_bursty(model, hw, quick, repeats)
     if "decode" in which:
-        result["decode"] = bench_decode(model, threads, quick, repeats)
+        result["decode"] = bench_decode(model, hw, quick, repeats)
     if "prefix" in which:
-        result["prefix"] = bench_prefix(model, threads, quick, repeats)
+        result["prefix"] = bench_prefix(model, hw, quick, repeats)
     summary = {}
     if "bursty" in result:
         summary["bursty"] = {pol: {k: round(v, 3) for k, v in result["bursty"][pol].items() if k != "ttft_s"}
