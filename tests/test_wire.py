@@ -30,8 +30,12 @@ def test_handshake_frames_queue_then_frames_go_straight_to_on_frame(loop_factory
         send_blocking(peer, ("ready", {"max_model_len": 64}))
         assert await conn.next_frame() == ("hello", {"pid": 1})
         assert await conn.next_frame() == ("ready", {"max_model_len": 64})
+        send_blocking(peer, ("stats", 1))          # sent before the receiver took over: not lost
+        await asyncio.sleep(0.05)
         got: list[tuple] = []
-        conn.on_frame = got.append
+        conn.deliver_to(got.append)
+        assert got == [("stats", 1)]
+        got.clear()
         # three frames in one send, the last one split across two: each delivered whole, in order
         burst = encode(("events", [1], None)) + encode(("stats", 7)) + encode(("pong", 3))
         peer.sendall(burst[:-3])

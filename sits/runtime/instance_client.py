@@ -67,7 +67,7 @@ class InstanceBackend:
         self._ping_seq = 0
         self._ping_sent: float | None = None     # an unanswered ping went out at this time
         conn.on_lost = self._lost
-        conn.on_frame = self._dispatch
+        conn.deliver_to(self._dispatch)       # a frame sent after "ready" (stats) is not lost
         if conn.lost is not None:
             self._lost(conn.lost)
 

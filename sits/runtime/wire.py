@@ -44,8 +44,8 @@ class FrameDecoder:
 class FrameProtocol(asyncio.Protocol):
     """The asyncio side: frames handed on from ``data_received`` itself.
 
-    Until ``on_frame`` is set, frames queue for ``next_frame`` (the start-up handshake). After, each
-    frame goes straight to ``on_frame``: no reader task to wake between the socket and whoever waits
+    Until ``deliver_to(on_frame)``, frames queue for ``next_frame`` (the start-up handshake). After,
+    each frame goes straight to ``on_frame``: no reader task to wake between the socket and whoever waits
     for the frame, one event-loop turn fewer per burst. ``on_lost(reason)`` is told once when the
     connection ends (EOF, an error, or a frame that does not decode).
     """
@@ -81,6 +81,16 @@ class FrameProtocol(asyncio.Protocol):
             self._early.put_nowait(None)
             if self.on_lost is not None:
                 self.on_lost(reason)
+
+    def deliver_to(self, on_frame) -> None:
+        """From now on hand every frame to ``on_frame``, starting with any queued since the handshake."""
+        while not self._early.empty():
+            msg = self._early.get_nowait()
+            if msg is None:           # the end, already told to on_lost (or to be told by the caller)
+                self._early.put_nowait(None)
+                break
+            on_frame(msg)
+        self.on_frame = on_frame
 
     async def next_frame(self) -> tuple:
         """The next frame before ``on_frame`` is set; raises asyncio.IncompleteReadError at EOF."""
