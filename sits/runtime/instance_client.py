@@ -3,8 +3,8 @@
 ``InstanceBackend.spawn`` starts ``sits.runtime.instance_worker`` on a private Unix socket and follows
 its cold start. Requests are validated and tokenized here, in the front end's process, with the
 engine's own rules (``RequestValidator``); only token ids cross the socket. Each step's events
-are dispatched to per-request queues from the socket's ``data_received`` (``FrameProtocol``). If the process dies, every open stream gets
-``EngineDeadError`` at once and ``ready`` turns false.
+are dispatched to per-request queues from the socket's ``data_received`` (``FrameProtocol``). If
+the process dies, every open stream gets ``EngineDeadError`` at once and ``ready`` turns false.
 """
 
 from __future__ import annotations
@@ -96,8 +96,9 @@ class InstanceBackend:
                 raise
         if on_phase is not None:
             on_phase("spawned", {"pid": proc.pid})
+        conn: FrameProtocol | None = None
+        tokenizer_task = asyncio.create_task(asyncio.to_thread(Tokenizer.from_dir, cfg.model))
         try:
-            tokenizer_task = asyncio.create_task(asyncio.to_thread(Tokenizer.from_dir, cfg.model))
             conn = await asyncio.wait_for(cls._connect(path, proc), start_timeout_s)
             hello = await conn.next_frame()
             assert hello[0] == "hello", hello
@@ -109,6 +110,10 @@ class InstanceBackend:
             assert msg[0] == "ready", msg
             tokenizer = await tokenizer_task
         except BaseException:
+            # the instance's own error is the one to report; the tokenizer's (same cause) is consumed
+            tokenizer_task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            if conn is not None and conn.transport is not None:
+                conn.transport.close()
             proc.kill()
             await asyncio.to_thread(proc.wait)
             shutil.rmtree(sock_dir, ignore_errors=True)
