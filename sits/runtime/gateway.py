@@ -75,7 +75,7 @@ class UnitBackend:
         self.python_tools = spec.python_tools
         self.gateway = gateway
         self.pool = UnitPool(spec, on_event=lambda kind, data: gateway.record(spec.name, kind, data),
-                             launcher=gateway.launcher)
+                             launcher=gateway.launcher, tokenizer=self.tokenizer)
         self.autoscaler = Autoscaler(spec.scale, spec.slo)
         self.router = Router()
         self.routed: collections.Counter = collections.Counter()

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sits.engine.tokenizer import Tokenizer
 from sits.runtime.cpu_quota import CpuQuotaManager, thread_cap
 from sits.runtime.instance_client import InstanceBackend
 from sits.runtime.unit_spec import UnitSpec
@@ -81,9 +82,11 @@ def quota_manager() -> CpuQuotaManager:
 
 class UnitPool:
     def __init__(self, spec: UnitSpec, *, on_event: Callable[[str, dict], None] | None = None,
-                 launcher: Callable[[], object | None] | None = None):
-        """``launcher()`` returns the current instance launcher (the zygote's fork) or None (fresh process)."""
+                 launcher: Callable[[], object | None] | None = None, tokenizer: Tokenizer | None = None):
+        """``launcher()`` returns the current instance launcher (the zygote's fork) or None (fresh process);
+        ``tokenizer``: the unit's, shared by its instances' front-end sides (not reloaded per start)."""
         self.spec = spec
+        self.tokenizer = tokenizer
         self._launcher = launcher or (lambda: None)
         self.instances: list[Instance] = []
         self.desired = 0
@@ -204,7 +207,7 @@ class UnitPool:
         how = "fork" if launcher is not None else "spawn"
         try:
             backend = await InstanceBackend.spawn(cfg, self.spec.name, on_phase=on_phase,
-                                                  launcher=launcher)
+                                                  launcher=launcher, tokenizer=self.tokenizer)
         except Exception as e:  # noqa: BLE001 - a failed start is reported and retried by reconcile
             self._stopped(inst, f"{type(e).__name__}: {e}")
             log.error("unit %s: instance %s failed to start: %s", self.spec.name, inst.id, inst.error)
