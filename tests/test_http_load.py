@@ -73,7 +73,10 @@ def test_a_disconnecting_client_frees_its_blocks(server):
                 got += 1
                 if got == 3:
                     break
-        s = _backend(server).stats()
+        # an instance's stats follow its events at most every 50 ms: wait for the first that shows it
+        deadline = time.monotonic() + 2.0
+        while (s := _backend(server).stats()).num_running != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert s.num_running == 1 and s.kv_usage > 0
     # the connection is closed: the engine request is aborted and its blocks are free again
     t0 = time.monotonic()
