@@ -118,7 +118,8 @@ def replay(engine: LLMEngine, arrivals: list[Arrival]) -> dict:
 
 
 def isolated_ttft(engine: LLMEngine, arrivals: list[Arrival]) -> dict:
-    """Each request's TTFT alone on an idle engine: what no order of service can beat.
+    """Each request's TTFT alone on an idle engine: what no order of service that sends each token as
+    soon as it exists can beat.
 
     The CV of these times is the floor of the bursty ``ttft_cv``: with prompts spread 16..1024
     tokens and a prefill whose cost grows with the prompt (any CPU; a GPU only once the prompt
@@ -139,11 +140,12 @@ def isolated_ttft(engine: LLMEngine, arrivals: list[Arrival]) -> dict:
 
 def bench_bursty(model: str, hw: Hardware, quick: bool, repeats: int) -> dict:
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    prompt_range = (16, 256) if quick else (16, 1024)
     if quick:
-        arrivals = bursty_workload(vocab, n=12, bursts=2, gap_s=2.0, prompt_range=(16, 256), output_range=(8, 32))
+        arrivals = bursty_workload(vocab, n=12, bursts=2, gap_s=2.0, prompt_range=prompt_range, output_range=(8, 32))
     else:
-        arrivals = bursty_workload(vocab)
-    res: dict[str, dict] = {}
+        arrivals = bursty_workload(vocab, prompt_range=prompt_range)
+    res: dict = {"prompt_range": list(prompt_range)}
     for policy in ("fcfs", "pfsd"):
         runs = []
         for r in range(repeats):
@@ -311,14 +313,15 @@ def _markdown(result: dict, command: str, plot: str | None) -> str:
             lines.append(f"| {k} | {f:.3g} | {p:.3g} | {ratio} | {targets.get(k, '')} |")
         if "isolated" in b:
             iso = b["isolated"]
+            lo, hi = b.get("prompt_range", (16, 1024))
             lines += ["", f"Each request alone on an idle engine (no queueing at all: the floor for any order "
                       f"of service that sends a token as soon as it exists): TTFT p50 {iso['ttft_p50_ms']:.3g} ms, "
                       f"p99 {iso['ttft_p99_ms']:.3g} ms, "
                       f"**ttft_cv {iso['ttft_cv']:.2f}**; pfsd's ttft_cv is {p_cv / iso['ttft_cv']:.2f}× that floor. "
                       "On this host a prefill's cost grows with its prompt, so the spread of prompt lengths "
-                      "(16–1024, log-uniform) is a spread of TTFTs before any request waits; only holding the "
-                      "short prompts' tokens back would narrow it. The ≤ 0.13 target needs a device on which a "
-                      "1024-token prefill of this model costs about what a 16-token one does."]
+                      f"({lo}–{hi} tokens, log-uniform) is a spread of TTFTs before any request waits; only "
+                      "holding the short prompts' tokens back would narrow it. The ≤ 0.13 target needs a device "
+                      f"on which a {hi}-token prefill of this model costs about what a {lo}-token one does."]
         lines.append("")
     if "decode" in result:
         lines += [f"### 2. Decode throughput vs Hugging Face `generate` (same weights, {result.get('dtype', 'float32')}, "
