@@ -4,8 +4,9 @@
 #
 #   bench/device_check.sh fetch   # on a host where pip works: the wheels the engine needs beyond
 #                                 # what such a GPU image holds, into .whl/ (add .whl/ to .git/info/exclude)
-#   bench/device_check.sh run     # on the GPU host: tests/test_cuda.py and the model parity tests on the
-#                                 # device, then `sits bench engine --device cuda` on the small preset
+#   bench/device_check.sh run     # on the GPU host: tests/test_cuda.py on the device and the CPU parity
+#                                 # tests against that host's transformers, then `sits bench engine
+#                                 # --device cuda` in fp32 and bf16 on the small preset
 #
 # `run` writes its logs, the benchmark's JSON and its markdown section under $OUT (default
 # bench/out/device). It installs nothing into the host's Python: the wheels go to /tmp/site.

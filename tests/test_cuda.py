@@ -43,15 +43,15 @@ def test_weights_load_onto_the_device_and_logits_match_the_cpu(tiny_model_dir):
     assert (ref - got).abs().max().item() <= 1e-4
 
 
-def test_dense_logits_on_cuda_match_transformers(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    ours = load_model(tmp_path, ModelConfig.from_dir(tmp_path), torch.device(DEVICE), torch.float32, 256)
-    ids = torch.randint(0, 512, (2, 100), generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("variant", ["llama3-gqa-rope-scaling", "qwen2-qkv-bias"])
+def test_dense_logits_on_cuda_match_transformers(tmp_path, variant):
+    pytest.importorskip("transformers")
+    from test_model_parity import _save_hf        # the CPU parity test's models, same seeds
+
+    hf = _save_hf(tmp_path, variant)
+    cfg = ModelConfig.from_dir(tmp_path)
+    ours = load_model(tmp_path, cfg, torch.device(DEVICE), torch.float32, cfg.max_position_embeddings)
+    ids = torch.randint(0, cfg.vocab_size, (2, 100), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         ref = hf(input_ids=ids).logits.float()
         got = ours.forward_dense(ids.to(DEVICE)).cpu()

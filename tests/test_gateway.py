@@ -69,7 +69,7 @@ def test_unit_starts_at_zero_and_a_request_cold_starts_it(gateway):
     assert {"fork", "weights", "tokenizer", "kv_allocation", "first_token"} <= set(phases)
     assert phases["fork"] < 1500          # forked from the pre-imported zygote, not a fresh interpreter
     # the instance's front-end side uses the unit's tokenizer: a cold start does not load it again
-    # (≈ 20 ms holding the GIL on the gateway's loop, on the cold path)
+    # (≈ 20 ms in the gateway's process, on the cold path)
     unit_backend = gw.units["chat"]
     assert unit_backend.pool.instances[0].backend.tokenizer is unit_backend.tokenizer
     assert view["starts"] == 1 and view["desired"] == 1

@@ -33,7 +33,7 @@ def test_handshake_frames_queue_then_frames_go_straight_to_on_frame(loop_factory
         send_blocking(peer, ("stats", 1))          # sent before the receiver took over: not lost
         await asyncio.sleep(0.05)
         got: list[tuple] = []
-        conn.deliver_to(got.append)
+        conn.attach(got.append, lambda reason: None)
         assert got == [("stats", 1)]
         got.clear()
         # three frames in one send, the last one split across two: each delivered whole, in order
@@ -61,7 +61,7 @@ def test_the_end_of_the_connection_is_told_once_with_a_reason(corrupt, loop_fact
     async def main():
         conn, peer = await _connected()
         lost: list[str] = []
-        conn.on_lost = lost.append
+        conn.attach(lambda msg: None, lost.append)
         if corrupt:        # a length prefix and bytes that are no pickle
             peer.sendall(struct.pack(">I", 3) + b"\xff\xfe\xfd")
         else:

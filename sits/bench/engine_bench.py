@@ -106,15 +106,20 @@ def replay(engine: LLMEngine, arrivals: list[Arrival]) -> dict:
                 itl.append(ev.time - last[ev.request_id])
             last[ev.request_id] = ev.time
     makespan = time.monotonic() - t0
-    mean = statistics.fmean(ttft)
     return {
-        "ttft_p50_ms": _pct(ttft, 0.5) * 1e3, "ttft_p99_ms": _pct(ttft, 0.99) * 1e3,
-        "ttft_mean_ms": mean * 1e3, "ttft_cv": statistics.pstdev(ttft) / mean if mean else float("nan"),
+        **_ttft_figures(ttft),
         "itl_p50_ms": _pct(itl, 0.5) * 1e3, "itl_p99_ms": _pct(itl, 0.99) * 1e3,
         "throughput_tok_s": out_tokens / makespan, "makespan_s": makespan,
-        "num_requests": len(ttft), "preemptions": engine.scheduler.num_preemptions,
-        "ttft_s": sorted(ttft),
+        "preemptions": engine.scheduler.num_preemptions,
     }
+
+
+def _ttft_figures(ttft: list[float]) -> dict:
+    """p50, p99, mean and coefficient of variation of TTFTs (seconds in, ms out), and the sorted times."""
+    mean = statistics.fmean(ttft)
+    return {"ttft_p50_ms": _pct(ttft, 0.5) * 1e3, "ttft_p99_ms": _pct(ttft, 0.99) * 1e3,
+            "ttft_mean_ms": mean * 1e3, "ttft_cv": statistics.pstdev(ttft) / mean if mean else float("nan"),
+            "num_requests": len(ttft), "ttft_s": sorted(ttft)}
 
 
 def isolated_ttft(engine: LLMEngine, arrivals: list[Arrival]) -> dict:
@@ -132,10 +137,7 @@ def isolated_ttft(engine: LLMEngine, arrivals: list[Arrival]) -> dict:
             for ev in engine.step():
                 if ev.index == 0:
                     ttft.append(ev.first_token_time - t0)
-    mean = statistics.fmean(ttft)
-    return {"ttft_p50_ms": _pct(ttft, 0.5) * 1e3, "ttft_p99_ms": _pct(ttft, 0.99) * 1e3,
-            "ttft_mean_ms": mean * 1e3, "ttft_cv": statistics.pstdev(ttft) / mean, "num_requests": len(ttft),
-            "ttft_s": sorted(ttft)}
+    return _ttft_figures(ttft)
 
 
 def bench_bursty(model: str, hw: Hardware, quick: bool, repeats: int) -> dict:

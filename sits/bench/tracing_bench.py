@@ -51,9 +51,9 @@ def run_tracing_bench(model_dir: str, *, concurrency: list[int], repeats: int, r
 
 def _markdown(r: dict, command: str) -> str:
     lines = [DOC_BEGIN, "## Tracing overhead (`sits bench tracing`)", "", f"Command: `{command}`  ",
-             f"{r['host']}; engine mode {r['engine']}; chat completions, 48-word prompts, 16 tokens; the off and on servers up together, "
-             f"taking turns run by run, {r['rounds']} pair(s) of servers, medians of all runs. \"on\" records every span of every request "
-             "(all levels kept) into the in-memory exporter.", "",
+             f"{r['host']}; engine mode {r['engine']}; chat completions, 48-word prompts, 16 tokens; the off and "
+             f"on servers up together, taking turns run by run, {r['rounds']} pair(s) of servers, medians of all "
+             "runs. \"on\" records every span of every request (all levels kept) into the in-memory exporter.", "",
              "| streams | TTFT p50 off (ms) | TTFT p50 on (ms) | on / off | server overhead p50 off (ms) | on (ms) |",
              "|---:|---:|---:|---:|---:|---:|"]
     for row in r["table"]:

@@ -66,10 +66,7 @@ class InstanceBackend:
         self.last_pong = time.monotonic()        # health: the instance answered a ping (or just started)
         self._ping_seq = 0
         self._ping_sent: float | None = None     # an unanswered ping went out at this time
-        conn.on_lost = self._lost
-        conn.deliver_to(self._dispatch)       # a frame sent after "ready" (stats) is not lost
-        if conn.lost is not None:
-            self._lost(conn.lost)
+        conn.attach(self._dispatch, self._lost)      # a frame sent after "ready" (stats) is not lost
 
     # -- start ----------------------------------------------------------------------------------------
     @classmethod
@@ -83,7 +80,7 @@ class InstanceBackend:
         ``launcher(socket_path, config_dict)`` starts the process (default: a fresh interpreter; the
         runtime passes its zygote's fork) and returns a handle with ``pid``, ``poll``, ``wait``, ``kill``.
         ``tokenizer``: the model's, already loaded by the caller (a unit's); else it is loaded here,
-        in a thread beside the start (≈ 20 ms of a cold start on a small host, holding the GIL).
+        in a thread beside the start (≈ 20 ms on a small host, in the caller's process, on the cold path).
         """
         name = name or os.path.basename(os.path.normpath(str(cfg.model)))
         sock_dir = tempfile.mkdtemp(prefix="sits-instance-")
@@ -246,8 +243,7 @@ class InstanceBackend:
                     q.put_nowait(ev)
             if msg[2] is not None:
                 self._stats = msg[2]
-            return
-        if kind == "stats":
+        elif kind == "stats":
             self._stats = msg[1]
         elif kind == "embedded":
             fut = self._embeds.get(msg[1])

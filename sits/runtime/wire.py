@@ -44,10 +44,10 @@ class FrameDecoder:
 class FrameProtocol(asyncio.Protocol):
     """The asyncio side: frames handed on from ``data_received`` itself.
 
-    Until ``deliver_to(on_frame)``, frames queue for ``next_frame`` (the start-up handshake). After,
-    each frame goes straight to ``on_frame``: no reader task to wake between the socket and whoever waits
-    for the frame, one event-loop turn fewer per burst. ``on_lost(reason)`` is told once when the
-    connection ends (EOF, an error, or a frame that does not decode).
+    Until ``attach(on_frame, on_lost)``, frames queue for ``next_frame`` (the start-up handshake).
+    After, each frame goes straight to ``on_frame``: no reader task to wake between the socket and
+    whoever waits for the frame. ``on_lost(reason)`` is told once when the connection ends (EOF, an
+    error, or a frame that does not decode), also when it ended before ``attach``.
     """
 
     def __init__(self) -> None:
@@ -82,18 +82,21 @@ class FrameProtocol(asyncio.Protocol):
             if self.on_lost is not None:
                 self.on_lost(reason)
 
-    def deliver_to(self, on_frame) -> None:
-        """From now on hand every frame to ``on_frame``, starting with any queued since the handshake."""
+    def attach(self, on_frame, on_lost) -> None:
+        """From now on hand every frame to ``on_frame`` (first any queued since the handshake) and the
+        connection's end to ``on_lost``."""
         while not self._early.empty():
             msg = self._early.get_nowait()
-            if msg is None:           # the end, already told to on_lost (or to be told by the caller)
+            if msg is None:           # the end marker stays for next_frame
                 self._early.put_nowait(None)
                 break
             on_frame(msg)
-        self.on_frame = on_frame
+        self.on_frame, self.on_lost = on_frame, on_lost
+        if self.lost is not None:
+            on_lost(self.lost)
 
     async def next_frame(self) -> tuple:
-        """The next frame before ``on_frame`` is set; raises asyncio.IncompleteReadError at EOF."""
+        """The next frame before ``attach``; raises asyncio.IncompleteReadError at EOF."""
         msg = await self._early.get()
         if msg is None:
             self._early.put_nowait(None)
