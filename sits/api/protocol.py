@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from sits.engine.sampling_params import MAX_LOGPROBS
+from sits.engine.sampling_params import MAX_LOGPROBS, MIN_REPETITION_PENALTY
 
 MAX_N = 16
 MEMORY_SET = r"^[a-z0-9][a-z0-9._-]{0,63}$"
@@ -58,7 +58,7 @@ class _SamplingFields(_Request):
     n: int = Field(1, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=10.0)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None

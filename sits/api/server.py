@@ -24,7 +24,8 @@ from sits.api.http_protocol import guarded_protocol
 from sits.engine.async_engine import AsyncEngine
 from sits.engine.cold_start import ColdStartReport
 from sits.engine.config import EngineConfig
-from sits.runtime.instance_client import InstanceBackend
+from sits.engine.errors import SitsError
+from sits.runtime.instance_supervisor import SupervisedInstance
 
 log = logging.getLogger("sits.serve")
 
@@ -78,7 +79,7 @@ def build_app(engine_cfg: EngineConfig, settings: ServerSettings, served_name: s
     async def load(app: FastAPI) -> None:
         try:
             if engine_mode == "process":
-                backend = await InstanceBackend.spawn(engine_cfg, name)
+                backend = await SupervisedInstance.spawn(engine_cfg, name)
                 stoppers.append(backend.shutdown)
                 report = ColdStartReport.from_dict(backend.cold_start)
             else:
@@ -86,8 +87,11 @@ def build_app(engine_cfg: EngineConfig, settings: ServerSettings, served_name: s
                 stoppers.append(engine.shutdown)
                 backend = EngineBackend(engine, name=name)
                 report = engine.engine.report
-        except Exception:
-            log.exception("loading %s failed", engine_cfg.model)
+        except Exception as e:
+            if isinstance(e, SitsError):      # expected and typed (unsupported model, bad files): no traceback
+                log.error("loading %s failed: %s (%s)", engine_cfg.model, e.message, e.code)
+            else:
+                log.exception("loading %s failed", engine_cfg.model)
             registry.loading.discard(name)
             if on_fail is not None:
                 on_fail()

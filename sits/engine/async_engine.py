@@ -158,6 +158,8 @@ class AsyncEngine:
                     continue
                 for ev in self.engine.step():
                     self._deliver(ev.request_id, ev)
+                for rid, err in self.engine.take_failures():
+                    self._deliver(rid, err)
         except BaseException as e:  # a bug or a device error: fail every stream, loudly
             log.exception("engine loop died")
             self._dead = e

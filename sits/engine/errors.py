@@ -61,3 +61,18 @@ class RequestAbortedError(SitsError):
 class EngineDeadError(SitsError):
     code = "engine_dead"
     http_status = 503
+
+
+class EngineStepError(SitsError):
+    """A step failed unexpectedly (a bug or a device error): its requests end, the engine serves on."""
+
+    code = "internal_error"
+    http_status = 500
+
+
+class NonFiniteLogitsError(SitsError):
+    """The model gave this request logits with no finite distribution (NaN or overflow): its
+    sampled token would be meaningless, so the request ends instead."""
+
+    code = "non_finite_logits"
+    http_status = 500

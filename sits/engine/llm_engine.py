@@ -6,6 +6,7 @@ blocks or sleeps; ``step()`` does one batch and returns the token events it prod
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,7 +19,7 @@ from sits.engine.block_pool import BlockPool
 from sits.engine.cold_start import ColdStartReport, process_age_s
 from sits.engine.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from sits.engine.detokenizer import IncrementalDetokenizer
-from sits.engine.errors import InvalidRequestError
+from sits.engine.errors import EngineStepError, InvalidRequestError, NonFiniteLogitsError, SitsError
 from sits.engine.guided import vocabulary_for
 from sits.engine.kv_cache import KVCache, bytes_per_block
 from sits.engine.loader import load_model
@@ -31,6 +32,7 @@ from sits.engine.sequence import FinishReason, Sequence
 from sits.engine.tokenizer import Tokenizer
 from sits.engine.warmup import run_warmup
 
+log = logging.getLogger("sits.engine")
 
 @dataclass(slots=True)
 class TokenEvent:
@@ -153,6 +155,7 @@ class LLMEngine:
         eos = set(self.model_config.eos_token_id) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
         self.requests: dict[str, _Request] = {}
+        self._failures: list[tuple[str, SitsError]] = []
         self._ids = count()
         self.num_steps = 0
         if cfg.warmup:
@@ -199,6 +202,20 @@ class LLMEngine:
         req.seq.finish_reason = FinishReason.ABORT
         return True
 
+    def fail(self, request_id: str, error: SitsError) -> bool:
+        """End a request with ``error`` (freeing its blocks); its driver hands the error on from
+        ``take_failures``. False if it is unknown or done."""
+        if not self.abort(request_id):
+            return False
+        self._failures.append((request_id, error))
+        return True
+
+    def take_failures(self) -> list[tuple[str, SitsError]]:
+        """Requests the engine ended with an error since the last call: ``(request id, error)``.
+        A driver calls it after each ``step()`` and tells each request's consumer."""
+        out, self._failures = self._failures, []
+        return out
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -216,28 +233,49 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
+        """One batch: its token events. Requests that failed in it are in ``take_failures()``.
+
+        An unexpected error while computing or sampling the batch (a bug, a device error) ends the
+        batch's unfinished requests with ``internal_error`` and the engine goes on serving: one
+        request's bad luck is never every request's.
+        """
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
         t0 = time.perf_counter()
-        logits, rows = self.runner.execute(batch)
-        self.scheduler.on_computed(batch)
-        events = self._sample_and_emit(batch, logits, rows) if rows else []
+        events: list[TokenEvent] = []
+        try:
+            logits, rows = self.runner.execute(batch)
+            self.scheduler.on_computed(batch)
+            if rows:
+                self._sample_and_emit(batch, logits, rows, events)
+        except Exception as e:  # noqa: BLE001 - reported to each request of the batch, the loop lives on
+            log.exception("engine step failed; ending its %d request(s)", len(batch.seqs))
+            err = EngineStepError(f"the engine failed while running this request: {type(e).__name__}: {e}")
+            failed = {seq.request_id for seq in batch.seqs if self.fail(seq.request_id, err)}
+            return [ev for ev in events if ev.request_id not in failed]    # requests that finished stay finished
         self.num_steps += 1
         prefill = sum(n for n in batch.num_new if n > 1)
         self.scheduler.model.observe_step(prefill, len(batch) - sum(1 for n in batch.num_new if n > 1),
                                           time.perf_counter() - t0)
         return events
 
-    def _sample_and_emit(self, batch: ScheduledBatch, logits: torch.Tensor, rows: list[int]) -> list[TokenEvent]:
+    def _sample_and_emit(self, batch: ScheduledBatch, logits: torch.Tensor, rows: list[int],
+                         events: list[TokenEvent]) -> None:
+        """Sample the rows that produce a token and append their events to ``events``."""
         seqs = [batch.seqs[i] for i in rows]
         allowed = [s.guide.allowed() if s.guide is not None else None for s in seqs]
         result = self.sampler.sample(logits, [s.params for s in seqs], [s.output_token_ids for s in seqs],
                                      [s.prompt_token_ids for s in seqs], [s.generator for s in seqs],
                                      allowed if any(a is not None for a in allowed) else None)
         now = time.monotonic()
-        events = []
+        failed = set(result.failed_rows)
         for j, seq in enumerate(seqs):
+            if j in failed:
+                self.fail(seq.request_id, NonFiniteLogitsError(
+                    f"request {seq.request_id}: the model's logits gave no finite distribution to sample from "
+                    f"at output token {len(seq.output_token_ids)}"))
+                continue
             req = self.requests[seq.request_id]
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -255,7 +293,6 @@ class LLMEngine:
                     seq.num_forced += 1
                     if ev.finished:
                         break
-        return events
 
     def _emit(self, seq: Sequence, req: _Request, tok: int, now: float, logprob: float | None,
               top_logprobs: list[tuple[int, float]] | None) -> TokenEvent:
@@ -348,6 +385,9 @@ class LLMEngine:
             for ev in self.step():
                 if ev.request_id in texts:
                     texts[ev.request_id].append(ev.text)
+            for rid, err in self.take_failures():
+                if rid in texts:
+                    raise err
         return [{"request_id": s.request_id, "text": "".join(texts[s.request_id]),
                  "token_ids": list(s.output_token_ids), "finish_reason": s.finish_reason.value,
                  "num_cached_tokens": s.num_cached_tokens} for s in seqs]

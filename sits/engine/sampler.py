@@ -11,7 +11,7 @@ only on row ``i``), and the one random draw is taken per row from that row's own
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    failed_rows: list[int] = field(default_factory=list)    # no finite distribution: their ids mean nothing
 
 
 def _uses_penalties(p: SamplingParams) -> bool:
@@ -116,6 +117,10 @@ class Sampler:
         sampler's default generator). Greedy rows take the argmax of the penalised logits, the
         lowest id on ties. ``allowed[i]`` (a boolean mask over the vocabulary, from a grammar)
         leaves only those tokens to choose from; ``None`` rows are free.
+
+        A row whose logits give no finite distribution (NaN or overflowing logits from the model, or
+        a mask that leaves nothing) is listed in ``failed_rows`` with token id 0: the caller fails that
+        request alone. No row ever gets an id outside the vocabulary.
         """
         if logits.dim() != 2 or logits.shape[0] != len(params):
             raise ValueError(f"logits must be [batch, vocab] with batch == len(params) == {len(params)}, "
@@ -126,15 +131,20 @@ class Sampler:
             processed = _restrict(processed, allowed, copy=processed is raw)   # raw also feeds logprobs
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(random_rows) == len(params):
-            tokens = self._sample_random(processed, params, generators)
+            tokens, ok = self._sample_random(processed, params, generators)
         else:
             tokens = processed.argmax(dim=-1)
+            # argmax picks a NaN if the row has one, and any id of a row that is all -inf
+            ok = ~torch.isnan(chosen := processed.gather(1, tokens.unsqueeze(1)).squeeze(1)) & (chosen > float("-inf"))
             if random_rows:
                 row_index = torch.tensor(random_rows, dtype=torch.long, device=raw.device)
-                tokens[row_index] = self._sample_random(processed[row_index],
-                                                        [params[i] for i in random_rows],
-                                                        [generators[i] for i in random_rows])
-        result = SampleResult(token_ids=tokens.tolist())
+                tokens[row_index], ok[row_index] = self._sample_random(processed[row_index],
+                                                                       [params[i] for i in random_rows],
+                                                                       [generators[i] for i in random_rows])
+        ok &= (tokens >= 0) & (tokens < processed.shape[1])
+        tokens = torch.where(ok, tokens, 0)
+        token_ids, ok_rows = torch.stack((tokens, ok.long())).tolist()     # one device-to-host copy
+        result = SampleResult(token_ids=token_ids, failed_rows=[i for i, good in enumerate(ok_rows) if not good])
 
         wanted = [p.logprobs for p in params]
         if any(n is not None for n in wanted):
@@ -151,8 +161,9 @@ class Sampler:
         return result
 
     def _sample_random(self, logits: torch.Tensor, params: list[SamplingParams],
-                       generators: list[torch.Generator | None]) -> torch.Tensor:
-        """Temperature, then top-k / top-p / min-p truncation, then one draw per row.
+                       generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Temperature, then top-k / top-p / min-p truncation, then one draw per row; also which rows
+        had a distribution to draw from (a finite, positive total mass).
 
         The draw is inverse-CDF sampling: one uniform number from the row's generator, located in
         the cumulative distribution. That needs a single random number per row, where
@@ -169,8 +180,10 @@ class Sampler:
                  for gen in (g if g is not None else self._default_generator for g in generators)]
         # 1 - U[0, 1) lies in (0, 1]: the target is above 0 and at most the total mass, so the
         # search lands on a token with nonzero probability (a flat stretch of the CDF never wins).
-        targets = (1.0 - torch.cat([d.to(device) for d in draws])).unsqueeze(1) * cdf[:, -1:]
-        return torch.searchsorted(cdf, targets).squeeze(1)
+        total = cdf[:, -1:]
+        targets = (1.0 - torch.cat([d.to(device) for d in draws])).unsqueeze(1) * total
+        ok = (torch.isfinite(total) & (total > 0)).squeeze(1)
+        return torch.searchsorted(cdf, targets).squeeze(1), ok
 
 
 def _restrict(logits: torch.Tensor, allowed: list[np.ndarray | None], copy: bool) -> torch.Tensor:

@@ -8,13 +8,19 @@ from typing import Any
 from sits.engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# Numerically safe bounds. A positive temperature below MIN_TEMPERATURE is raised to it (as vLLM
+# does): logits / 5e-324 overflow float32 to inf and the distribution becomes NaN. A repetition
+# penalty below MIN_REPETITION_PENALTY is refused: it divides a logit, and a tiny one rounds to 0.
+MIN_TEMPERATURE = 1e-2
+MIN_REPETITION_PENALTY = 1e-2
 
 
 @dataclass(slots=True)
 class SamplingParams:
     """How to turn logits into tokens for one request.
 
-    ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k. ``logprobs`` = number of top
+    ``temperature == 0`` means greedy; a positive one below ``MIN_TEMPERATURE`` is raised to it (close to
+    greedy, and finite). ``top_k <= 0`` disables top-k. ``logprobs`` = number of top
     alternatives to return per token (``None``: none, ``0``: only the chosen token's logprob).
     """
 
@@ -61,6 +67,8 @@ class SamplingParams:
             raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 2.0:
             raise bad("temperature", f"must be in [0, 2], got {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
@@ -68,8 +76,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0:
+            raise bad("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY:g}, 10], got {self.repetition_penalty}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise bad("seed", "must be an integer")
         if self.logprobs is not None:

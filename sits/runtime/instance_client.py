@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 
 import numpy as np
@@ -66,6 +66,7 @@ class InstanceBackend:
         self.last_pong = time.monotonic()        # health: the instance answered a ping (or just started)
         self._ping_seq = 0
         self._ping_sent: float | None = None     # an unanswered ping went out at this time
+        self.on_lost: Callable[[str], None] | None = None    # told once if the process dies (not on shutdown)
         conn.attach(self._dispatch, self._lost)      # a frame sent after "ready" (stats) is not lost
 
     # -- start ----------------------------------------------------------------------------------------
@@ -272,3 +273,5 @@ class InstanceBackend:
             for fut in self._embeds.values():
                 if not fut.done():
                     fut.set_exception(err)
+            if self.on_lost is not None:
+                self.on_lost(reason)

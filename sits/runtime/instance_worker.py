@@ -164,6 +164,8 @@ def _loop(engine, conn: socket.socket) -> int:
                 time.sleep(max(0.0, floor - (time.monotonic() - t_step)))    # fault: a degraded step
             if events:                       # tokens first: the stats below are for dashboards
                 send_blocking(conn, ("events", events, None))
+            for rid, e in engine.take_failures():
+                send_blocking(conn, ("error", rid, e.code, e.message, e.param, e.http_status))
             now = time.monotonic()
             if now - last_stats >= STATS_INTERVAL_S or not engine.has_unfinished:
                 send_blocking(conn, ("stats", _stats(engine)))
