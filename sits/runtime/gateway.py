@@ -40,6 +40,7 @@ from sits.runtime.unit_metrics import CpuMeter, MetricsWindow
 from sits.runtime.unit_pool import UnitPool
 from sits.runtime.unit_spec import UnitSpec
 from sits.runtime.hints import current_hints
+from sits.runtime.host_fit import check_fits_host
 from sits.runtime.prefetch import Prefetcher
 from sits.runtime.router import Router, prefix_hashes
 from sits.runtime.unit_store import UnitStore
@@ -64,6 +65,7 @@ class UnitBackend:
             self.tokenizer = Tokenizer.from_dir(spec.model)
         except ModelLoadError as e:      # a unit that cannot load is the deployer's input error
             raise InvalidRequestError(f"unit {spec.name}: {e.message}", param="model", code=e.code) from None
+        check_fits_host(spec, mc)
         self.max_model_len = min(spec.resources.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
         # the KV pool's size is known once an instance runs; the instance checks that limit itself
@@ -433,7 +435,8 @@ class UnitBackend:
                         "tps": round(m.tps, 3)},
             "slo_health": d.health if d else None, "last_decision": None if d is None else
             {"from": d.current, "to": d.target, "reason": d.reason},
-            "starts": self.pool.starts, "crashes": self.pool.crashes, "routed": dict(self.routed),
+            "starts": self.pool.starts, "crashes": self.pool.crashes, "start_failure": self.pool.failure_view(),
+            "routed": dict(self.routed),
             "cold_start": self.pool.last_cold_start(),
             "memory": None if self.spec.memory is None else {**self.spec.memory.model_dump(), "ingested": self.ingested},
             "sla": self.breaker.view() | {"fallback": self.spec.fallback, "fallbacks": self.fallbacks},

@@ -5,7 +5,10 @@ up) → READY → DRAINING (no new requests; in-flight ones finish) → STOPPED.
 process dies is detected by its socket closing and by the health tick, marked STOPPED, and
 replaced while the desired count says it should exist. Requests that find no READY instance wait
 for one (the pool asks the autoscaler for a cold start at once); they never fail because of a cold
-start.
+start. A start that fails is retried after an exponential backoff (``scale.start_backoff_s``,
+doubling up to ``start_backoff_max_s``); while the last start failed and none is under way, a
+request gets ``unit_unavailable`` at once, naming the cause, instead of waiting for a start that
+is not coming.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sits.engine.errors import SitsError
 from sits.engine.tokenizer import Tokenizer
 from sits.runtime.cpu_quota import CpuQuotaManager, thread_cap
 from sits.runtime.instance_client import InstanceBackend
@@ -65,8 +69,11 @@ class Instance:
                 "cpu_quota": self.quota}
 
 
-class NoInstanceError(Exception):
-    pass
+class UnitUnavailableError(SitsError):
+    """The unit's instances fail to start; the message names the cause, Retry-After the next try."""
+
+    code = "unit_unavailable"
+    http_status = 503
 
 
 _quota_manager: CpuQuotaManager | None = None
@@ -98,6 +105,9 @@ class UnitPool:
         self.last_report: dict = {}
         self.last_started: Instance | None = None
         self.health_timeout_s = spec.scale.health_timeout_s
+        self.start_failures = 0                    # consecutive failed starts (0 once one succeeds)
+        self.start_error: str | None = None        # the last failed start's cause
+        self.next_start_at = 0.0                   # monotonic: no start before this (backoff)
 
     def _stopped(self, inst: Instance, error: str | None = None) -> None:
         inst.state = InstanceState.STOPPED
@@ -140,6 +150,8 @@ class UnitPool:
         """Start or drain instances until ``live`` matches ``desired``; drop dead ones."""
         self.check_health()
         live = self.live()
+        if self.desired > len(live) and time.monotonic() < self.next_start_at:
+            return                                 # backing off after a failed start
         for _ in range(self.desired - len(live)):
             self._start(reason, urgent=urgent and not self.ready())
         if len(live) > self.desired:
@@ -209,11 +221,20 @@ class UnitPool:
             backend = await InstanceBackend.spawn(cfg, self.spec.name, on_phase=on_phase,
                                                   launcher=launcher, tokenizer=self.tokenizer)
         except Exception as e:  # noqa: BLE001 - a failed start is reported and retried by reconcile
-            self._stopped(inst, f"{type(e).__name__}: {e}")
-            log.error("unit %s: instance %s failed to start: %s", self.spec.name, inst.id, inst.error)
-            self._on_event("instance_failed", {"instance": inst.id, "error": inst.error})
+            self._stopped(inst, getattr(e, "message", None) or f"{type(e).__name__}: {e}")
+            self.start_failures += 1
+            self.start_error = inst.error
+            wait = min(self.spec.scale.start_backoff_s * 2 ** (self.start_failures - 1),
+                       self.spec.scale.start_backoff_max_s)
+            self.next_start_at = time.monotonic() + wait
+            log.error("unit %s: instance %s failed to start (%d in a row; next try in %.1f s): %s",
+                      self.spec.name, inst.id, self.start_failures, wait, inst.error)
+            self._on_event("instance_failed", {"instance": inst.id, "error": inst.error,
+                                               "failures_in_a_row": self.start_failures, "retry_in_s": wait})
             self._notify()
             return
+        self.start_failures = 0
+        self.start_error = None
         if inst.state is InstanceState.DRAINING:       # scaled down while it was starting
             await backend.shutdown()
             self._stopped(inst)
@@ -263,7 +284,25 @@ class UnitPool:
             if not asked and on_wait is not None:
                 on_wait()
                 asked = True
+            if self.start_failures and not self.starting():
+                raise self.unavailable()
             await self._changed.wait()
+
+    def unavailable(self) -> UnitUnavailableError:
+        """Why a request cannot be served now: the last start's failure, and when the next try is."""
+        wait = max(0.0, self.next_start_at - time.monotonic())
+        err = UnitUnavailableError(
+            f"unit {self.spec.name} cannot start an instance ({self.start_failures} failed start(s) in a row; "
+            f"next try in {wait:.1f} s): {self.start_error}", param="model")
+        err.retry_after_s = max(1, round(wait))
+        return err
+
+    def failure_view(self) -> dict | None:
+        """The unit's start failures for its status, or None while starts succeed."""
+        if not self.start_failures:
+            return None
+        return {"failures_in_a_row": self.start_failures, "error": self.start_error,
+                "retry_in_s": round(max(0.0, self.next_start_at - time.monotonic()), 2)}
 
     async def shutdown(self) -> None:
         self.desired = 0

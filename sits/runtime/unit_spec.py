@@ -20,11 +20,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import jinja2.sandbox
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from sits.engine.config import EngineConfig
 from sits.engine.errors import SitsError
@@ -48,6 +49,8 @@ class ScaleSpec(_Strict):
     downscale_delay_s: float = Field(30.0, ge=0, description="calm for this long before a scale-down")
     window_s: float = Field(30.0, gt=0, description="metrics look-back window")
     health_timeout_s: float = Field(10.0, gt=0, description="an instance silent this long is killed and replaced")
+    start_backoff_s: float = Field(1.0, gt=0, le=3600, description="wait after a failed start; doubles per failure")
+    start_backoff_max_s: float = Field(60.0, gt=0, le=3600, description="the longest wait between failed starts")
 
     @field_validator("trigger")
     @classmethod
@@ -104,6 +107,25 @@ class MemorySpec(_Strict):
         "minilm", description="minilm (all-MiniLM-L6-v2, offline) or unit: this unit's own model, mean-pooled")
 
 
+# host directories a tool must never be handed: trees of kernel interfaces, devices, configuration
+# and secrets (at any depth), and directories that hold the whole system or everyone's files
+_SYSTEM_TREES = ("/proc", "/sys", "/dev", "/etc", "/boot", "/run")
+_TOO_BROAD = ("/", "/root", "/home", "/usr", "/var", "/bin", "/sbin", "/lib", "/lib64", "/opt", "/srv", "/mnt",
+              "/media", "/tmp")
+
+
+def _safe_host_dir(host: str, info: ValidationInfo) -> str:
+    """Refuse a ``tool_dirs`` host directory that is (or, through ``..`` or a symlink, resolves to)
+    the root or a system directory: ``file.read`` would read the whole disk or its secrets."""
+    base = (info.context or {}).get("base") or os.getcwd()
+    real = os.path.realpath(os.path.join(base, os.path.expanduser(host)))
+    if (real in _TOO_BROAD or real == os.path.realpath(os.path.expanduser("~"))
+            or any(real == t or real.startswith(t + "/") for t in _SYSTEM_TREES)):
+        raise ValueError(f"{host!r} resolves to {real}: the root, a system directory or one holding far more "
+                         "than a tool needs; map a directory made for the tool (e.g. ./data)")
+    return host
+
+
 class UnitSpec(_Strict):
     name: str = Field(..., pattern=UNIT_NAME, description="lowercase letters, digits, '.', '_', '-'")
     model: str = Field(..., min_length=1, description="a local Hugging Face model directory")
@@ -115,7 +137,7 @@ class UnitSpec(_Strict):
     fallback: str | None = Field(None, pattern=UNIT_NAME, description="the unit that serves while the breaker is open")
     faults: FaultsSpec | None = Field(None, description="fault injection (testing): see sits.faults")
     tools: list[str] = Field(default_factory=list, description='tool contracts it may call, e.g. "file.read@^1.2"')
-    tool_dirs: dict[str, str] = Field(default_factory=dict,
+    tool_dirs: dict[str, Annotated[str, AfterValidator(_safe_host_dir)]] = Field(default_factory=dict,
                                       description="host directory behind each guest directory a tool declares")
     python_tools: bool = Field(False, description="allow tools with runtime: python (a subprocess, not a sandbox)")
     memory: MemorySpec | None = Field(None, description="retrieval for every request (a RAG unit)")
@@ -261,7 +283,7 @@ def load_yaml_spec(text: str, file: str, root: type[BaseModel]) -> tuple[BaseMod
     except yaml.YAMLError as e:
         raise UnitSpecError([SpecProblem(file, None, None, "", f"not valid YAML: {e}")]) from None
     try:
-        return root.model_validate(data), Path(file).parent
+        return root.model_validate(data, context={"base": str(Path(file).parent)}), Path(file).parent
     except ValidationError as e:
         problems = []
         for err in e.errors():

@@ -1,0 +1,74 @@
+"""Will a unit fit this host? Checked at deploy, so a spec whose instances can never start is a 400
+with the numbers, not a unit whose requests wait for starts that keep failing.
+
+On a CPU host an instance needs its KV pool (allocated whole at start) plus the model's weights,
+which forked instances share (counted once). Available memory is the kernel's ``MemAvailable``,
+or less where a cgroup limit says so. GPU memory is not checked here (asking would create a CUDA
+context in the gateway); an instance that does not fit there fails its start and is retried with
+backoff.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from sits.engine.config import ModelConfig, resolve_device, resolve_dtype
+from sits.engine.errors import InvalidRequestError
+from sits.engine.kv_cache import bytes_per_block
+from sits.runtime.unit_spec import UnitSpec
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+MIB = 2**20
+
+
+def available_memory_bytes() -> int | None:
+    """What this process may still allocate: MemAvailable, capped by its cgroup's limit; None if unknown."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    try:
+        cg = Path("/sys/fs/cgroup")
+        limit = (cg / "memory.max").read_text().strip()
+        if limit != "max":
+            room = int(limit) - int((cg / "memory.current").read_text().strip())
+            avail = room if avail is None else min(avail, room)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def weights_bytes(model_dir: str | os.PathLike) -> int:
+    return sum(p.stat().st_size for p in Path(model_dir).iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+
+
+def kv_pool_bytes(spec: UnitSpec, mc: ModelConfig) -> int:
+    cfg = spec.engine_config()
+    if cfg.num_kv_blocks is not None:
+        return cfg.num_kv_blocks * bytes_per_block(mc, cfg.block_size, resolve_dtype(cfg.dtype))
+    return cfg.kv_cache_memory_mb * MIB
+
+
+def check_fits_host(spec: UnitSpec, mc: ModelConfig, available: int | None = None) -> None:
+    """Raise ``insufficient_memory`` if ``min_instances`` (at least one) instances of ``spec`` cannot
+    fit in the memory available now."""
+    if resolve_device(spec.resources.device).type != "cpu":
+        return
+    available = available_memory_bytes() if available is None else available
+    if available is None:
+        return
+    n = max(1, spec.scale.min_instances)
+    kv, weights = kv_pool_bytes(spec, mc), weights_bytes(spec.model)
+    need = weights + n * kv
+    if need > available:
+        raise InvalidRequestError(
+            f"unit {spec.name} needs {need / MIB:,.0f} MiB ({n} instance(s) x a {kv / MIB:,.0f} MiB KV pool "
+            f"+ {weights / MIB:,.0f} MiB of weights) but this host has {available / MIB:,.0f} MiB available; "
+            f"lower resources.kv_cache_mb / kv_blocks or scale.min_instances",
+            param="resources.kv_cache_mb", code="insufficient_memory")
