@@ -12,7 +12,8 @@ BENCH_MODEL_DIR ?= models/small
 
 install: $(STAMP)
 
-# torch is pinned and installed first: a range that admits a newer torch pulls a multi-GB CUDA build.
+# torch is pinned and installed first. From PyPI, Linux x86-64 torch==2.13.0 is the CUDA build (several
+# GB; it runs on CPU too); a CPU-only 2.13.0+cpu already in .venv (see README) satisfies the pin and stays.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip

@@ -12,30 +12,60 @@ import time
 from sits.engine.errors import SitsError
 
 
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already says it or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or not action.option_strings or action.default is None
+                or action.default is False or action.default == [] or action.default == argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """The ``sits`` parser; its subcommand parsers are of this class too, so all share the formatter."""
+
+    def __init__(self, *args, **kw):
+        kw.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kw)
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local Hugging Face model directory")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--dtype", default="float32", help="weights and KV cache: float32, bfloat16 or float16")
     p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: all cores)")
     p.add_argument("--policy", default="pfsd", choices=["pfsd", "fcfs"], help="scheduler policy")
-    p.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool size in MiB")
+    p.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool size, MiB")
     p.add_argument("--no-warmup", action="store_true", help="skip multi-level warm-up")
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0-65535)")
+    return int(text)
+
+
 def _add_http_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", action="append", help="accepted Bearer key (repeatable; env SITS_API_KEY)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=_port, default=8000, help="TCP port to listen on")
+    p.add_argument("--api-key", action="append",
+                   help="accepted Bearer key (repeatable; default: $SITS_API_KEY, else no key needed)")
     p.add_argument("--api-keys-file", default=None, help="file with one accepted key per line")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
-    p.add_argument("--webhook-secret", default=None, help="sign webhook POSTs (env SITS_WEBHOOK_SECRET)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request bodies over this many bytes get 413")
+    p.add_argument("--webhook-secret", default=None,
+                   help="sign webhook POSTs with this key (default: $SITS_WEBHOOK_SECRET, else unsigned)")
     p.add_argument("--request-retention-s", type=float, default=600.0,
-                   help="how long finished /v1/requests stay readable")
+                   help="how long finished /v1/requests stay readable, seconds")
     p.add_argument("--drain-grace-s", type=float, default=10.0,
-                   help="on shutdown, in-flight streams get this long to finish")
+                   help="on shutdown, in-flight streams get this long to finish, seconds")
     p.add_argument("--admin-key", action="append",
-                   help="Bearer key for the /admin endpoints, e.g. fault injection (repeatable; env "
-                        "SITS_ADMIN_KEY); without one they are off")
+                   help="Bearer key for the /admin endpoints, e.g. fault injection (repeatable; default: "
+                        "$SITS_ADMIN_KEY, else the endpoints are off)")
     p.add_argument("--allow-private-callbacks", action="store_true",
                    help="let callback_url point at loopback / private addresses (refused by default)")
     p.add_argument("--tools-dir", action="append", default=[],
@@ -47,18 +77,30 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
                    help="OpenTelemetry spans (default: otlp when OTEL_EXPORTER_OTLP_ENDPOINT is set, else none; "
                         "memory keeps recent traces for GET /admin/traces)")
     p.add_argument("--otel-metrics", default=None, choices=["none", "console", "otlp", "memory"],
-                   help="OpenTelemetry GenAI metrics beside /metrics (default: otlp when the OTLP endpoint is set)")
+                   help="OpenTelemetry GenAI metrics beside /metrics (default: otlp when the OTLP endpoint is set, "
+                        "else none)")
     p.add_argument("--no-hot-path", action="store_true",
                    help="route the generation endpoints through FastAPI's router too (the baseline of "
                         "`sits bench serve --baseline-args`)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="server log verbosity")
 
 
 def _add_client_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=os.environ.get("SITS_URL", "http://127.0.0.1:8000"),
-                   help="the gateway (default http://127.0.0.1:8000; env SITS_URL)")
-    p.add_argument("--api-key", default=os.environ.get("SITS_API_KEY"), help="Bearer key (env SITS_API_KEY)")
-    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--url", default=None, help=f"the SITS gateway (default: $SITS_URL, else {DEFAULT_URL})")
+    p.add_argument("--api-key", default=None, help="Bearer key (default: $SITS_API_KEY, else none)")
+    p.add_argument("--timeout", type=float, default=600.0, help="how long to wait for the gateway's answer, seconds")
+
+
+def _gateway_url(args: argparse.Namespace) -> str:
+    """--url, else $SITS_URL as it is when the command runs, else the default."""
+    return args.url or os.environ.get("SITS_URL") or DEFAULT_URL
+
+
+def _add_bench_output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", default=None, help="write the results as JSON to this file")
+    p.add_argument("--write-docs", default=None,
+                   help="put the results section in this markdown file (replacing its previous one)")
 
 
 def _engine_config(args: argparse.Namespace):
@@ -154,11 +196,14 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def _control(args: argparse.Namespace, method: str, path: str, body=None):
     import httpx
-    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    url = _gateway_url(args)
+    key = args.api_key or os.environ.get("SITS_API_KEY")
+    headers = {"authorization": f"Bearer {key}"} if key else {}
     try:
-        r = httpx.request(method, args.url.rstrip("/") + path, json=body, headers=headers, timeout=args.timeout)
-    except httpx.HTTPError as e:
-        raise SitsError(f"cannot reach the gateway at {args.url}: {e}", code="gateway_unreachable") from None
+        r = httpx.request(method, url.rstrip("/") + path, json=body, headers=headers, timeout=args.timeout)
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
+        raise SitsError(f"cannot reach the SITS gateway at {url} (set --url or SITS_URL): {e}",
+                        code="gateway_unreachable") from None
     data = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
     if r.status_code >= 400:
         err = data.get("error") or {}
@@ -244,6 +289,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                   for i in u["instances"] if i.get("cpu_quota")}
         if quotas:
             print("    cpu quota: " + ", ".join(sorted(quotas)))
+        if (f := u.get("start_failure")):
+            print(f"    FAILING TO START ({f['failures_in_a_row']} in a row, next try in {f['retry_in_s']:.1f}s): "
+                  f"{f['error']}")
     print()
     print(f"{'SLA':<16} {'ttft slo':>9} {'target':>7} {'attained':>9} {'in window':>9}  {'breaker':<9} {'trips':>5} "
           f"{'shed':>5}  fallback")
@@ -322,27 +370,28 @@ def cmd_bench_prefetch(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sits", description="SITS: a serverless runtime for LLM inference")
+    parser = _Parser(prog="sits", description="SITS: a serverless runtime for LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
 
     model = sub.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
     bt = model.add_parser("build-tiny", help="write an offline Llama model directory with random weights")
-    bt.add_argument("dir")
-    bt.add_argument("--preset", default="tiny", choices=["tiny", "small", "base"])
-    bt.add_argument("--seed", type=int, default=0)
+    bt.add_argument("dir", help="the model directory to write")
+    bt.add_argument("--preset", default="tiny", choices=["tiny", "small", "base"],
+                    help="size: tiny ~5M, small ~25M, base ~110M parameters")
+    bt.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     bt.add_argument("--train-seconds", type=float, default=0.0,
-                    help="train briefly on offline text so output reads like text")
-    bt.add_argument("--overwrite", action="store_true")
+                    help="train briefly on offline text so output reads like text, seconds")
+    bt.add_argument("--overwrite", action="store_true", help="replace a model already in the directory")
     bt.set_defaults(func=cmd_build_tiny)
 
     gen = sub.add_parser("generate", help="stream a completion to the terminal")
     _add_engine_args(gen)
-    gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("prompt", help="the text to continue")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this probability mass")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 is off")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, a fresh one each run)")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.set_defaults(func=cmd_generate)
 
@@ -350,17 +399,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(srv)
     _add_http_args(srv)
     srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: dir name)")
-    srv.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
+    srv.add_argument("--max-model-len", type=int, default=None,
+                     help="cap the context length, tokens (default: the model's)")
     srv.add_argument("--engine", default="process", choices=["process", "thread"],
-                     help="run the engine in its own process (default) or in a thread of the server")
+                     help="run the engine in its own process or in a thread of the server")
     srv.add_argument("--data-dir", default=os.environ.get("SITS_DATA_DIR", ".sits"),
-                     help="embedded state: sessions.db (default .sits; env SITS_DATA_DIR)")
+                     help="embedded state: sessions.db (default: $SITS_DATA_DIR, else .sits)")
     srv.set_defaults(func=cmd_serve)
 
     upp = sub.add_parser("up", help="start the gateway with its units (the serverless runtime)")
     upp.add_argument("--config", default=None, help="YAML with `units: [...]` (default: ./sits.yaml if present)")
     upp.add_argument("--data-dir", default=os.environ.get("SITS_DATA_DIR", ".sits"),
-                     help="where the deployed units and sessions are kept (default .sits; env SITS_DATA_DIR)")
+                     help="where the deployed units and sessions are kept (default: $SITS_DATA_DIR, else .sits)")
     upp.add_argument("--no-prefetch", action="store_true", help="turn trace-driven pre-warming off")
     _add_http_args(upp)
     upp.set_defaults(func=cmd_up)
@@ -368,13 +418,13 @@ def build_parser() -> argparse.ArgumentParser:
     iu = sub.add_parser("iu", help="manage the units of a running gateway").add_subparsers(dest="iu_command",
                                                                                          required=True)
     dep = iu.add_parser("deploy", help="deploy (or replace) a unit from its YAML file")
-    dep.add_argument("--file", required=True)
+    dep.add_argument("--file", required=True, help="the unit's YAML file")
     iu.add_parser("list", help="deployed units and their instances")
     de = iu.add_parser("delete", help="delete a unit (its instances drain and stop)")
-    de.add_argument("name")
+    de.add_argument("name", help="the unit")
     scl = iu.add_parser("scale", help="set a unit's instance count now (the autoscaler carries on from there)")
-    scl.add_argument("name")
-    scl.add_argument("instances", type=int)
+    scl.add_argument("name", help="the unit")
+    scl.add_argument("instances", type=int, help="instances wanted now")
     for p in iu.choices.values():
         _add_client_args(p)
         p.set_defaults(func=cmd_iu)
@@ -392,56 +442,54 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=cmd_tool_run)
 
     stp = sub.add_parser("status", help="units, instances, SLO health, cold starts and scaling decisions")
-    stp.add_argument("--json", action="store_true")
+    stp.add_argument("--json", action="store_true", help="print the gateway's /v1/status JSON instead of tables")
     _add_client_args(stp)
     stp.set_defaults(func=cmd_status)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     be = bench.add_parser("engine", help="engine benchmarks: bursty fcfs vs pfsd, decode vs HF, prefix cache")
-    be.add_argument("--model", required=True)
-    be.add_argument("--json", default=None, help="write results JSON here")
-    be.add_argument("--write-docs", default=None, help="append a results section to this markdown file")
+    be.add_argument("--model", required=True, help="local Hugging Face model directory")
+    _add_bench_output_args(be)
     be.add_argument("--quick", action="store_true", help="smaller workload (smoke run)")
-    be.add_argument("--only", choices=["bursty", "decode", "prefix"], action="append")
-    be.add_argument("--threads", type=int, default=None)
-    be.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto: the engine and the HF baseline alike")
+    be.add_argument("--only", choices=["bursty", "decode", "prefix"], action="append",
+                    help="run only this part (repeatable; default: all three)")
+    be.add_argument("--threads", type=int, default=None,
+                    help="CPU threads, for the engine and the HF baseline alike (default: all cores)")
+    be.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto: the engine and the HF baseline alike")
     be.add_argument("--dtype", default="float32", help="weights and KV cache, for both (float32, bfloat16, float16)")
-    be.add_argument("--repeats", type=int, default=None, help="runs per figure, median reported (default 3; 1 with --quick)")
+    be.add_argument("--repeats", type=int, default=None,
+                    help="runs per figure, median reported (default: 3; 1 with --quick)")
     be.set_defaults(func=cmd_bench_engine)
     bc = bench.add_parser("coldstart", help="no instance -> first token: naive transformers vs SITS cold vs warm")
-    bc.add_argument("--model", required=True)
-    bc.add_argument("--repeats", type=int, default=5)
-    bc.add_argument("--threads", type=int, default=None)
+    bc.add_argument("--model", required=True, help="local Hugging Face model directory")
+    bc.add_argument("--repeats", type=int, default=5, help="starts measured per variant, median reported")
+    bc.add_argument("--threads", type=int, default=None, help="CPU threads per instance (default: all cores)")
     bc.add_argument("--warmup", default="all", choices=["all", "minimal", "false"], help="the unit's warm-up")
     bc.add_argument("--skip-naive", action="store_true", help="SITS cold/warm only (no transformers baseline)")
-    bc.add_argument("--json", default=None)
-    bc.add_argument("--write-docs", default=None)
+    _add_bench_output_args(bc)
     bc.set_defaults(func=cmd_bench_coldstart)
-    bt = bench.add_parser("tracing", help="served TTFT with spans off vs every span recorded (same run)")
-    bt.add_argument("--model", required=True)
-    bt.add_argument("--concurrency", default="1,8")
-    bt.add_argument("--repeats", type=int, default=2)
-    bt.add_argument("--rounds", type=int, default=2, help="off/on alternations")
-    bt.add_argument("--engine", default="process", choices=["process", "thread"])
-    bt.add_argument("--json", default=None)
-    bt.add_argument("--write-docs", default=None)
-    bt.set_defaults(func=cmd_bench_tracing)
+    btr = bench.add_parser("tracing", help="served TTFT with spans off vs every span recorded (same run)")
+    btr.add_argument("--model", required=True, help="local Hugging Face model directory")
+    btr.add_argument("--concurrency", default="1,8", help="comma-separated stream counts")
+    btr.add_argument("--repeats", type=int, default=2, help="runs per level and round")
+    btr.add_argument("--rounds", type=int, default=2, help="off/on alternations (a fresh pair of servers each)")
+    btr.add_argument("--engine", default="process", choices=["process", "thread"], help="the servers' engine mode")
+    _add_bench_output_args(btr)
+    btr.set_defaults(func=cmd_bench_tracing)
     bg = bench.add_parser("guided", help="tool-call grammar: mask overhead vs free decoding, jump-forward on vs off")
-    bg.add_argument("--model", required=True)
-    bg.add_argument("--concurrency", type=int, default=8)
-    bg.add_argument("--rounds", type=int, default=3)
-    bg.add_argument("--max-tokens", type=int, default=96)
-    bg.add_argument("--threads", type=int, default=None)
-    bg.add_argument("--json", default=None)
-    bg.add_argument("--write-docs", default=None)
+    bg.add_argument("--model", required=True, help="local Hugging Face model directory")
+    bg.add_argument("--concurrency", type=int, default=8, help="tool-call requests run together")
+    bg.add_argument("--rounds", type=int, default=3, help="rounds of each variant, median reported")
+    bg.add_argument("--max-tokens", type=int, default=96, help="tokens per request at most")
+    bg.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    _add_bench_output_args(bg)
     bg.set_defaults(func=cmd_bench_guided)
     bp = bench.add_parser("prefetch", help="two-unit chain: TTFT of the second call with pre-warming on vs off")
-    bp.add_argument("--model", required=True)
-    bp.add_argument("--train", type=int, default=6)
-    bp.add_argument("--repeats", type=int, default=5)
+    bp.add_argument("--model", required=True, help="local Hugging Face model directory")
+    bp.add_argument("--train", type=int, default=6, help="chains run first so the gateway learns the chain")
+    bp.add_argument("--repeats", type=int, default=5, help="chains measured, median reported")
     bp.add_argument("--a-tokens", type=int, default=32, help="tokens the first call streams")
-    bp.add_argument("--json", default=None)
-    bp.add_argument("--write-docs", default=None)
+    _add_bench_output_args(bp)
     bp.set_defaults(func=cmd_bench_prefetch)
     bs = bench.add_parser("serve", help="concurrent streaming clients over HTTP; TTFT/ITL/e2e and server overhead")
     where = bs.add_mutually_exclusive_group(required=True)
@@ -449,20 +497,19 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--model", help="model directory: start `sits serve` on it for the run")
     bs.add_argument("--served-model", default=None, help="model name to request (default: the first served)")
     bs.add_argument("--concurrency", default="1,4,16,64", help="comma-separated stream counts")
-    bs.add_argument("--requests", type=int, default=None, help="requests per level (default max(16, 2*C))")
-    bs.add_argument("--prompt-words", type=int, default=48)
-    bs.add_argument("--max-tokens", type=int, default=32)
+    bs.add_argument("--requests", type=int, default=None, help="requests per level (default: max(16, 2*C))")
+    bs.add_argument("--prompt-words", type=int, default=48, help="words per prompt")
+    bs.add_argument("--max-tokens", type=int, default=32, help="tokens per response at most")
     bs.add_argument("--completions", action="store_true", help="use /v1/completions instead of chat")
-    bs.add_argument("--repeats", type=int, default=None, help="runs per level, median reported (default 3)")
-    bs.add_argument("--threads", type=int, default=None, help="server CPU threads (with --model)")
+    bs.add_argument("--repeats", type=int, default=None, help="runs per level, median reported (default: 3)")
+    bs.add_argument("--threads", type=int, default=None, help="server CPU threads, with --model (default: all cores)")
     bs.add_argument("--engine", default="process,thread",
-                    help="with --model: engine modes to sweep, comma-separated (default process,thread: an A/B)")
+                    help="with --model: engine modes to sweep, comma-separated (two: an A/B)")
     bs.add_argument("--baseline-args", default=None,
                     help="with --model: per engine mode, also a server with these arguments (e.g. --no-hot-path), "
                          "measured in the same run, runs alternating; reported as ratios")
     bs.add_argument("--quick", action="store_true", help="levels 1 and 8, one run (smoke)")
-    bs.add_argument("--json", default=None)
-    bs.add_argument("--write-docs", default=None)
+    _add_bench_output_args(bs)
     bs.set_defaults(func=cmd_bench_serve)
     return parser
 
@@ -472,10 +519,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except SitsError as e:
-        print(f"error [{e.code}]: {e.message}", file=sys.stderr)
+        print(f"sits: error [{e.code}]: {e.message}", file=sys.stderr)
         return 2
-    except FileExistsError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except FileExistsError as e:          # build-tiny: the message says to pass --overwrite
+        print(f"sits: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.filename is None:            # not a file the user named: a bug, keep its traceback
+            raise
+        print(f"sits: error: {e.filename}: {e.strerror}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

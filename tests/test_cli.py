@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 
 def _sits(*args, timeout=240):
@@ -145,7 +146,196 @@ def test_up_iu_and_status_drive_a_running_gateway(tiny_model_dir, tmp_path):
         r = _sits("iu", "delete", "extra", *cli)
         assert r.returncode == 2 and "unit_not_found" in r.stderr
         assert "curl -s" in "".join(stderr) and "OpenAI(base_url=" in "".join(stderr)
+        assert f"sits iu list --url {url}" in "".join(stderr)      # not the default port: the hint says where
     finally:
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(60)
     assert rc in (0, 130) and "Traceback" not in "".join(stderr), "".join(stderr)
+
+
+def _one_line_error(r: subprocess.CompletedProcess) -> str:
+    """argparse style: exit 2 and a single `sits: error: ...` line, no traceback."""
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sits: error"), r.stderr
+    return lines[0]
+
+
+def test_missing_and_invalid_files_are_one_line_errors(tmp_path):
+    line = _one_line_error(_sits("iu", "deploy", "--file", str(tmp_path / "missing.yaml"), timeout=60))
+    assert "missing.yaml" in line and "No such file" in line
+    line = _one_line_error(_sits("up", "--config", str(tmp_path / "missing.yaml"), timeout=60))
+    assert "missing.yaml" in line
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("units:\n  - name: x\n    model: /nowhere\n    scale:\n      max_instance: 2\n")
+    line = _one_line_error(_sits("up", "--config", str(bad), timeout=60))
+    assert f"{bad}:5:7: units.0.scale.max_instance: unknown field" in line
+
+
+def _processes_with_env(marker: str) -> list[str]:
+    """Command lines of live processes whose environment holds ``marker`` (what a run left behind)."""
+    import os
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker.encode() not in f.read():
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                found.append(f.read().replace(b"\0", b" ").decode())
+        except OSError:
+            continue
+    return found
+
+
+def _kill_processes_with_env(marker: str) -> None:
+    """Clean up after a failing run (only processes that carry this test's marker)."""
+    import os
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker.encode() in f.read():
+                    os.kill(int(pid), 9)
+        except OSError:
+            pass
+
+
+def test_up_on_a_port_in_use_fails_before_starting_anything(tiny_model_dir, tmp_path):
+    import os
+    import socket
+    import uuid
+
+    cfg = tmp_path / "sits.yaml"
+    cfg.write_text(f"units:\n  - name: main\n    model: {tiny_model_dir}\n    scale: {{min_instances: 1}}\n"
+                   "    resources: {device: cpu, kv_cache_mb: 16, max_model_len: 256, warmup: false}\n")
+    scratch = tmp_path / "tmp"          # the zygote's socket directory would land here
+    scratch.mkdir()
+    marker = f"sits-test-{uuid.uuid4().hex}"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with open(tmp_path / "stderr", "w+") as err:   # a file: a leftover child would hold a pipe open
+            proc = subprocess.Popen([sys.executable, "-m", "sits.cli", "up", "--config", str(cfg), "--port", str(port),
+                                     "--data-dir", str(tmp_path / "data")], stdout=subprocess.DEVNULL, stderr=err,
+                                    env={**os.environ, "TMPDIR": str(scratch), "SITS_TEST_MARK": marker})
+            try:
+                rc = proc.wait(120)
+            finally:
+                proc.kill()
+            err.seek(0)
+            stderr = err.read()
+    left = _processes_with_env(marker)
+    _kill_processes_with_env(marker)
+    assert rc != 0 and "Traceback" not in stderr, stderr
+    assert f"127.0.0.1:{port}" in stderr and "in use" in stderr, stderr
+    assert left == [], f"processes left behind: {left}"
+    assert "curl -s" not in stderr, "the how-to-call-it banner was printed for a server that never listened"
+    assert list(scratch.iterdir()) == [], "a zygote socket directory was left behind"
+
+
+def test_ctrl_c_while_the_gateway_starts_leaves_no_process(tiny_model_dir, tmp_path):
+    """SIGINT while the zygote is still starting: it is stopped too, not orphaned."""
+    import os
+    import signal
+    import time
+    import uuid
+
+    from conftest import free_port
+
+    cfg = tmp_path / "sits.yaml"
+    cfg.write_text(f"units:\n  - name: main\n    model: {tiny_model_dir}\n"
+                   "    resources: {device: cpu, kv_cache_mb: 16, max_model_len: 256, warmup: false}\n")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    marker = f"sits-test-{uuid.uuid4().hex}"
+    with open(tmp_path / "stderr", "w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "sits.cli", "up", "--config", str(cfg), "--port",
+                                 str(free_port()), "--data-dir", str(tmp_path / "data")], stdout=subprocess.DEVNULL,
+                                stderr=err, env={**os.environ, "TMPDIR": str(scratch), "SITS_TEST_MARK": marker})
+        try:
+            deadline = time.monotonic() + 60
+            while not any("sits.runtime.zygote" in c for c in _processes_with_env(marker)):
+                assert time.monotonic() < deadline and proc.poll() is None, "no zygote started"
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGINT)
+            proc.wait(60)
+        finally:
+            proc.kill()
+        time.sleep(0.5)
+        left = _processes_with_env(marker)
+        _kill_processes_with_env(marker)
+        err.seek(0)
+        assert left == [], f"processes left behind: {left}\n{err.read()}"
+    assert list(scratch.iterdir()) == [], "a zygote socket directory was left behind"
+
+
+def test_client_commands_name_the_gateway_they_cannot_reach():
+    import os
+
+    from conftest import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    env = {**os.environ, "SITS_URL": url}
+    for args in (("iu", "list"), ("status",)):
+        r = subprocess.run([sys.executable, "-m", "sits.cli", *args], capture_output=True, text=True, timeout=60,
+                           env=env)
+        line = _one_line_error(r)
+        assert f"cannot reach the SITS gateway at {url}" in line and "--url" in line and "SITS_URL" in line
+
+
+def test_sits_url_is_read_when_the_command_runs(monkeypatch):
+    from sits import cli
+
+    monkeypatch.setenv("SITS_URL", "http://gateway.test:9999")
+    assert cli._gateway_url(cli.build_parser().parse_args(["iu", "list"])) == "http://gateway.test:9999"
+    args = cli.build_parser().parse_args(["status"])
+    monkeypatch.delenv("SITS_URL")
+    assert cli._gateway_url(args) == cli.DEFAULT_URL
+    assert cli._gateway_url(cli.build_parser().parse_args(["status", "--url", "http://x:1"])) == "http://x:1"
+
+
+def _all_parsers(parser, path=("sits",)):
+    import argparse
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _all_parsers(sub, path + (name,))
+
+
+def test_every_option_has_help_with_its_default():
+    import argparse
+
+    from sits.cli import build_parser
+
+    missing, no_default = [], []
+    for path, p in _all_parsers(build_parser()):
+        for a in p._actions:
+            if isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            name = " ".join(path) + " " + (a.option_strings[-1] if a.option_strings else a.dest)
+            if not (a.help or "").strip():
+                missing.append(name)
+            elif a.option_strings and not any(a.default is v for v in (None, False, argparse.SUPPRESS)) \
+                    and a.default != [] and "default" not in p.formatter_class("x")._get_help_string(a):
+                no_default.append(name)
+    assert missing == [], f"options without help: {missing}"
+    assert no_default == [], f"help that does not state the default: {no_default}"
+
+
+def test_serve_on_a_port_in_use_fails_before_loading_the_model(tiny_model_dir):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "sits.cli", "serve", "--model", tiny_model_dir, "--port", str(port),
+                            "--device", "cpu", "--no-warmup"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "in use" in r.stderr, r.stderr
+    assert "curl -s" not in r.stderr
+    assert time.monotonic() - t0 < 60

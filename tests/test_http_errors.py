@@ -111,6 +111,49 @@ def test_oversized_body_is_413_declared_or_chunked(server):
     _ok(server.url)
 
 
+def _urllib_post(url: str, data, headers: dict) -> tuple[int, dict]:
+    """POST as Python's urllib does: the whole body is written before the response is read."""
+    import json
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(url, data=data, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        assert e.headers.get("connection") == "close"
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_413_reaches_a_client_that_sends_the_whole_body_first(server, framing):
+    """10 MB against a 64 KiB limit: the client sees the 413, not a connection reset."""
+    big = b'{"model": "tiny", "prompt": "' + b"a" * (10 << 20) + b'"}'
+    hs = {"Content-Type": "application/json"}
+    data = big if framing == "content-length" else (big[i:i + 65536] for i in range(0, len(big), 65536))
+    status, body = _urllib_post(server.url + CMPL, data, hs)
+    assert status == 413 and body["error"]["code"] == "payload_too_large"
+    _ok(server.url)
+
+
+def test_unread_body_after_a_413_is_bounded(server):
+    """A 1 GB declared body is not read forever: the server cuts the connection after its bound."""
+    from sits.api.http_protocol import GuardedHttpProtocol
+    host, port = server.url.removeprefix("http://").split(":")
+    sent, piece = 0, b"a" * (1 << 20)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000000000\r\n\r\n")
+        with pytest.raises(OSError):         # reset / broken pipe once the bound is passed
+            while sent < 1_000_000_000:
+                s.sendall(piece)
+                sent += len(piece)
+    # the server cut it once it had discarded more than the bound; the piece in flight when the reset
+    # came is not counted in `sent`
+    assert GuardedHttpProtocol.linger_bytes - len(piece) <= sent < 4 * GuardedHttpProtocol.linger_bytes
+    _ok(server.url)
+
+
 def test_curl_style_form_content_type_is_read_as_json(server):
     r = httpx.post(server.url + CMPL, content=b'{"model": "tiny", "prompt": "x", "max_tokens": 2}',
                    headers={"content-type": "application/x-www-form-urlencoded"})

@@ -97,30 +97,40 @@ def test_non_streaming_client_that_leaves_frees_its_blocks(server):
 def test_shutdown_tells_streams_why_they_end(serve_tiny):
     srv = serve_tiny(ServerSettings(drain_grace_s=0.3))
     events: list[str] = []
-    started = threading.Event()
+    going = threading.Event()          # two chunks delivered: the stream is really under way
+    failed: list[BaseException] = []
 
     def reader():
-        with httpx.stream("POST", srv.url + "/v1/completions", timeout=30,
-                          json={"model": "tiny", "prompt": "never ending", "max_tokens": 240, "stream": True,
-                                "ignore_eos": True}) as r:
-            for ln in r.iter_lines():
-                if ln.startswith("data: "):
-                    events.append(ln[6:])
-                    started.set()
+        try:
+            with httpx.stream("POST", srv.url + "/v1/completions", timeout=30,
+                              json={"model": "tiny", "prompt": "never ending", "max_tokens": 240,
+                                    "stream": True, "ignore_eos": True}) as r:
+                for ln in r.iter_lines():
+                    if ln.startswith("data: "):
+                        events.append(ln[6:])
+                        if len(events) == 2:
+                            going.set()
+        except BaseException as e:     # noqa: BLE001 -- reported by the test thread
+            failed.append(e)
+        finally:
+            going.set()                # an early end must not leave the test waiting
 
     t = threading.Thread(target=reader)
     t.start()
-    assert started.wait(30)
-    srv.stop()
+    assert going.wait(60)
+    assert not failed and len(events) >= 2, (failed, events)
+    srv.stop()                         # drains: 0.3 s of grace, then the stream is cut short
     t.join(30)
-    assert events[-1] == "[DONE]"
-    err = json.loads(events[-2])["error"]
-    assert err["code"] == "server_shutting_down"
-    assert len(events) > 3
+    assert not t.is_alive() and not failed, failed
+    *chunks, err, done = events
+    assert done == "[DONE]"
+    assert json.loads(err)["error"]["code"] == "server_shutting_down"
+    assert len(chunks) >= 2 and all("text" in json.loads(c)["choices"][0] for c in chunks), chunks
 
 
 def test_a_dead_instance_ends_its_streams_with_a_reason(serve_tiny):
-    """SIGKILL the engine process mid-stream: the stream ends with an error chunk, /health says 503."""
+    """SIGKILL the engine process mid-stream: the stream ends with an error chunk; the server does not
+    stay in front of a dead engine (it is restarted, and serves again)."""
     import os
     import signal
     srv = serve_tiny(ServerSettings(drain_grace_s=0.3))
@@ -136,9 +146,12 @@ def test_a_dead_instance_ends_its_streams_with_a_reason(serve_tiny):
                     os.kill(backend.pid, signal.SIGKILL)
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "engine_dead"
-    assert httpx.get(srv.url + "/health").status_code == 503
+    deadline = time.monotonic() + 60
+    while not (backend.restarts and backend.ready) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(srv.url + "/health").status_code == 200
     r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
-    assert r.status_code >= 500 and r.json()["error"]["code"] == "engine_dead"
+    assert r.status_code == 200, r.text
 
 
 def test_the_instance_ignores_a_terminal_ctrl_c(serve_tiny):

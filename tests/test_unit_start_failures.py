@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from sits import cli
 from sits.runtime.host_fit import available_memory_bytes
 from test_gateway import start_gateway, unit, wait_for
 
@@ -37,7 +38,7 @@ def test_a_unit_whose_kv_pool_cannot_fit_the_host_is_refused_at_deploy(gateway, 
     assert httpx.delete(srv.url + "/v1/units/huge", timeout=60).status_code == 200
 
 
-def test_requests_to_a_unit_that_cannot_start_fail_fast_and_starts_back_off(gateway, tiny_model_dir, tmp_path):
+def test_requests_to_a_unit_that_cannot_start_fail_fast_and_starts_back_off(gateway, tiny_model_dir, tmp_path, capsys):
     srv, gw = gateway
     model = tmp_path / "broken"
     shutil.copytree(tiny_model_dir, model)
@@ -61,6 +62,8 @@ def test_requests_to_a_unit_that_cannot_start_fail_fast_and_starts_back_off(gate
 
     view = httpx.get(srv.url + "/v1/units/broken").json()
     assert view["start_failure"]["failures_in_a_row"] >= 1 and view["start_failure"]["error"]
+    assert cli.main(["status", "--url", srv.url]) == 0
+    assert "FAILING TO START" in capsys.readouterr().out
 
     # starts are retried, each after a longer wait (0.4 s, then 0.8 s: the cap), never once per tick
     def failures():

@@ -108,10 +108,7 @@ class BackendRegistry:
             err.retry_after_s = 1
             raise err
         if name is None:
-            if len(self._by_name) != 1:
-                raise InvalidRequestError(f"name a model; served: {', '.join(sorted(self._by_name)) or 'none'}",
-                                          param="model", code="model_required")
-            name = next(iter(self._by_name))
+            name = self.default_name()
         try:
             backend = self._by_name[name]
         except KeyError:
@@ -119,6 +116,13 @@ class BackendRegistry:
                                      f"{', '.join(sorted(self._by_name)) or 'none'}", param="model") from None
         admit = getattr(backend, "admit", None)     # a unit's SLA guard: itself, its fallback, or a 503
         return admit() if admit is not None else backend
+
+    def default_name(self) -> str:
+        """The name a request that names none gets: the only one served; 400 ``model_required`` otherwise."""
+        if len(self._by_name) != 1:
+            raise InvalidRequestError(f"name a model; served: {', '.join(sorted(self._by_name)) or 'none'}",
+                                      param="model", code="model_required")
+        return next(iter(self._by_name))
 
     def all(self) -> list[Backend]:
         return list(self._by_name.values())

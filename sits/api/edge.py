@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable
 
 from sits.api.errors import error_body, internal_error_response
+from sits.memory.sessions import INVALID_SESSION_ID, valid_session_id
 from sits.observe import genai
 from sits.observe.tracing import close, current_scope, mark_failed, stage
 from sits.runtime.hints import RequestHints, current_hints
@@ -67,7 +68,7 @@ class EdgeMiddleware:
             rid = uuid.uuid4().hex
         session = headers.get(b"x-session-id", b"").decode("latin-1")
         trace = _TRACEPARENT.match(headers.get(b"traceparent", b"").decode("latin-1"))
-        current_hints.set(RequestHints(session_id=session if _SANE_ID.match(session) else None,
+        current_hints.set(RequestHints(session_id=session if valid_session_id(session) else None,
                                        trace_id=trace.group(1) if trace else None,
                                        path=scope.get("path")))
         state = scope.setdefault("state", {})
@@ -132,6 +133,9 @@ class EdgeMiddleware:
         if self.draining() and method in _BODY_METHODS and path.startswith("/v1/"):
             return await reply(503, "the server is shutting down and takes no new work", "server_shutting_down",
                                [(b"retry-after", b"1"), (b"connection", b"close")])
+        session = headers.get(b"x-session-id")
+        if session and path.startswith("/v1/") and not valid_session_id(session.decode("latin-1")):
+            return await reply(400, INVALID_SESSION_ID, "invalid_session_id")   # it could never be read back
 
         if method in _BODY_METHODS:
             limit = self.max_body_bytes()

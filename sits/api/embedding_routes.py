@@ -14,6 +14,7 @@ from sits.api.context import context_of
 from sits.api.errors import ErrorResponse
 from sits.api.protocol import MINILM, EmbeddingRequest
 from sits.engine.errors import ContextLengthExceededError, InvalidRequestError
+from sits.engine.tokenizer import check_text
 
 router = APIRouter(tags=["openai"])
 
@@ -29,6 +30,7 @@ def _inputs(body: EmbeddingRequest) -> list[str | list[int]]:
     if len(items) > MAX_INPUTS:
         raise InvalidRequestError(f"{len(items)} inputs; at most {MAX_INPUTS} per request", param="input",
                                   code="invalid_input")
+    check_text(items, "input")
     return items
 
 

@@ -20,7 +20,7 @@ from sits.api import admin_routes, control_routes
 from sits.api.app import create_app
 from sits.api.backend import BackendRegistry
 from sits.api.context import ServerSettings
-from sits.api.server import DrainingServer, event_loop_factory, serving_process_defaults, usage_banner
+from sits.api.server import DrainingServer, event_loop_factory, listen_socket, serving_process_defaults, usage_banner
 from sits.runtime.gateway import Gateway
 from sits.runtime.unit_spec import UnitSpec
 
@@ -95,9 +95,12 @@ def build_gateway_app(gateway: Gateway, config_units: list[UnitSpec], settings: 
 
 def up(config_units: list[UnitSpec], settings: ServerSettings, *, data_dir: str, host: str = "127.0.0.1",
        port: int = 8000, log_level: str = "info", tick_s: float = 1.0, prefetch: bool = True) -> int:
+    sock = listen_socket(host, port)
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     serving_process_defaults()
+    base = f"http://{host}:{port}"
+    url_opt = "" if (host, port) == ("127.0.0.1", 8000) else f" --url {base}"    # the CLI's default
 
     async def main() -> None:
         gateway = Gateway(data_dir, tick_s=tick_s, prefetch=prefetch)
@@ -106,15 +109,15 @@ def up(config_units: list[UnitSpec], settings: ServerSettings, *, data_dir: str,
                                 access_log=False)
         server = DrainingServer(config, app, settings.drain_grace_s)
         names = ", ".join(u.name for u in config_units) or "the persisted units"
-        print(f"SITS gateway at http://{host}:{port} (units: {names}; data: {data_dir})", file=sys.stderr)
+        print(f"SITS gateway at {base} (units: {names}; data: {data_dir})", file=sys.stderr)
         if config_units:
             key = settings.api_keys[0] if settings.api_keys else None
             print(usage_banner(config_units[0].name, host, port, key).replace("SITS is serving", "Unit"),
                   file=sys.stderr)
-        print(f"  sits status --url http://{host}:{port}      sits iu list      "
-              f"sits iu deploy --file examples/chat-unit.yaml\n", file=sys.stderr, flush=True)
-        await server.serve()
+        print(f"  sits status{url_opt}\n  sits iu list{url_opt}\n"
+              f"  sits iu deploy --file examples/chat-unit.yaml{url_opt}\n", file=sys.stderr, flush=True)
+        await server.serve(sockets=[sock])
 
-    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+    with sock, asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         runner.run(main())
     return 0

@@ -13,6 +13,13 @@ come in the same event-loop turn, yet the client wakes for the head alone, parse
 again before the token arrives (and on a busy host that wake-up can take the core the server is
 using). ``_HeadWithBody`` holds the head until the next write or the end of the loop turn,
 whichever is first, so it never waits longer than the turn it was written in.
+
+A response that closes the connection before the request body has all arrived (a 413 on its
+Content-Length, a 408, ...) would, closed at once, make the kernel answer the rest of the upload
+with a reset, and a client that writes its whole body before reading (urllib, requests, many
+proxies) would see that reset instead of the response. So such a close lingers: the response and
+a FIN go out, and what the client still sends is discarded unparsed (no pipelined request behind
+it ever runs) until it closes, or ``linger_bytes`` / ``linger_s`` / ``linger_idle_s`` run out.
 """
 
 from __future__ import annotations
@@ -39,13 +46,15 @@ class _HeadWithBody:
     """One response's transport: its first write (the head) is held until the next write or the end
     of the current loop turn; everything else is the transport's own."""
 
-    __slots__ = ("_transport", "_loop", "_held", "_first")
+    __slots__ = ("_transport", "_loop", "_held", "_first", "_close")
 
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop):
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop, close=None):
+        """``close``: how the response's close is done (default: the transport's own)."""
         self._transport = transport
         self._loop = loop
         self._held: bytes | None = None
         self._first = True
+        self._close = close or transport.close
 
     def write(self, data: bytes) -> None:
         if self._first:
@@ -66,7 +75,7 @@ class _HeadWithBody:
 
     def close(self) -> None:
         self._flush()
-        self._transport.close()
+        self._close()
 
     def __getattr__(self, name: str):
         return getattr(self._transport, name)
@@ -75,6 +84,11 @@ class _HeadWithBody:
 class GuardedHttpProtocol(HttpToolsProtocol):
     header_timeout_s: float = 10.0
     max_header_bytes: int = 64 * 1024
+    # a closing response's unread upload: discarded up to this many bytes, for this long in all,
+    # and while bytes keep coming (a gap this long ends it)
+    linger_bytes: int = 64 << 20
+    linger_s: float = 30.0
+    linger_idle_s: float = 5.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -82,6 +96,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._raw_head = 0
         self._rejected = False
+        self._linger_timer: asyncio.TimerHandle | None = None
         self._arm()
 
     def _arm(self) -> None:
@@ -114,8 +129,40 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                                    f"the request head exceeds {self.max_header_bytes} bytes", "headers_too_large"))
             raise _HeadRejected()
 
+    def _close_after_response(self) -> None:
+        """The close a ``Connection: close`` response asks for: lingering while the request body is
+        still arriving, at once otherwise."""
+        cycle = self.cycle
+        if self.transport.is_closing() or cycle is None or not cycle.response_complete or not cycle.more_body:
+            self.transport.close()
+            return
+        self._rejected = True               # nothing more is parsed on this connection
+        self._disarm()
+        self._linger_left = self.linger_bytes
+        self._linger_end = self.loop.time() + self.linger_s
+        self._linger_last = self.loop.time()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()      # the response is whole: a client reading until close sees its end
+        self.flow.resume_reading()
+        self._linger_check()
+
+    def _linger_check(self) -> None:
+        now = self.loop.time()
+        until = min(self._linger_end, self._linger_last + self.linger_idle_s)
+        if now >= until:
+            self._linger_timer = None
+            self.transport.close()
+        else:
+            self._linger_timer = self.loop.call_at(until, self._linger_check)
+
     # -- parser callbacks -----------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
+        if self._linger_timer is not None:
+            self._linger_last = self.loop.time()
+            self._linger_left -= len(data)
+            if self._linger_left < 0:
+                self.transport.close()
+            return
         if self._rejected:
             return
         in_head = self._head_timer is not None
@@ -152,14 +199,19 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._disarm()
         super().on_headers_complete()
         if self.cycle is not None:
-            self.cycle.transport = _HeadWithBody(self.transport, self.loop)
+            self.cycle.transport = _HeadWithBody(self.transport, self.loop, self._close_after_response)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._disarm()            # idle between requests is uvicorn's keep-alive timeout
+        if self._linger_timer is not None:
+            self._unset_keepalive_if_required()     # a lingering close has its own deadlines
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
         super().connection_lost(exc)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse
@@ -14,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sits.api.context import context_of
 from sits.api.errors import ErrorResponse
 from sits.engine.errors import InvalidRequestError
+from sits.engine.tokenizer import check_text
 from sits.memory.vectors import SET_NAME, MemoryNotFoundError, MemoryStore, memory_id, off_loop
 
 router = APIRouter(tags=["memory"])
@@ -56,6 +58,16 @@ def _finite(as_of: float | None) -> float | None:
     return as_of
 
 
+def _utf8_query(request: Request) -> None:
+    """Starlette decodes a query's percent-escapes with U+FFFD for bytes that are not UTF-8: the
+    search would run on text the client never sent, so such a query is refused as a body would be."""
+    try:
+        unquote_to_bytes(request.scope.get("query_string", b"").replace(b"+", b" ")).decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequestError("the query string is not valid UTF-8 once its %-escapes are decoded", param="q",
+                                  code="invalid_text") from None
+
+
 def store_of(request: Request) -> MemoryStore:
     m = context_of(request).memory
     if m is None:
@@ -70,6 +82,8 @@ async def list_sets(request: Request) -> dict[str, Any]:
 
 @router.post("/v1/memory/{set_name}", status_code=201, responses=ERRORS)
 async def write(body: MemoryWrite, request: Request, set_name: str = SetName) -> JSONResponse:
+    check_text(body.texts, "texts")
+    check_text(body.metas, "metas")         # stored, then echoed by every listing and search of the set
     ids = await off_loop(store_of(request).add, set_name, body.texts, body.metas)
     return JSONResponse({"set": set_name, "ids": [f"m_{i}" for i in ids]}, status_code=201)
 
@@ -84,6 +98,7 @@ async def list_memories(request: Request, set_name: str = SetName,
 @router.get("/v1/memory/{set_name}/search", responses=ERRORS)
 async def search(request: Request, set_name: str = SetName, q: str = Query(..., min_length=1, max_length=10_000),
                  k: int = Query(4, ge=1, le=100), as_of: float | None = Query(None)) -> dict:
+    _utf8_query(request)
     hits = await off_loop(store_of(request).search, set_name, q, k, as_of=_finite(as_of))
     return {"object": "list", "set": set_name, "query": q, "as_of": as_of, "data": [h.to_dict() for h in hits]}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from sits.api.context import ServerContext
 from sits.api.errors import clip
 from sits.engine.errors import InvalidRequestError
+from sits.engine.tokenizer import check_text
 from sits.memory.vectors import off_loop
 
 MEMORY_TOP_K = 4
@@ -34,6 +35,7 @@ async def recall(ctx: ServerContext, set_name: str, question: str, rid: str, k: 
     """(citations, the context text for the prompt): the set's ``k`` closest memories to ``question``,
     recorded as retrieved by ``rid``. ``required``: an empty or unknown set is an error (an explicit
     memory_ref), else the request goes on without context (a RAG unit whose set is empty)."""
+    check_text(question, "prompt")        # before the embedder, which has no words for it
     store = ctx.memory
     if store is None:
         raise InvalidRequestError(f"no memory set {clip(set_name)} exists (this server keeps no memory)",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import sys
 
 import uvicorn
@@ -130,6 +131,20 @@ print(c.chat.completions.create(model='{name}', messages=[{{'role': 'user', 'con
 """
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (as uvicorn binds it) before anything else exists: a port in use
+    fails here, before an engine, a zygote or a banner, with one clear error."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)       # uvicorn's backlog; connections wait in it while the app starts
+    except OSError as e:
+        sock.close()
+        raise SitsError(f"cannot listen on {host}:{port}: {e.strerror or e}", code="listen_failed") from None
+    return sock
+
+
 def serve(engine_cfg: EngineConfig, settings: ServerSettings, *, host: str = "127.0.0.1", port: int = 8000,
           served_name: str | None = None, log_level: str = "info", switch_interval_s: float = 0.0005,
           engine_mode: str = "process") -> int:
@@ -138,6 +153,7 @@ def serve(engine_cfg: EngineConfig, settings: ServerSettings, *, host: str = "12
     # every token event would reach its client up to 5 ms late; 0.5 ms bounds that wait. Only the
     # `--engine thread` mode shares a GIL; a one-stream probe gave ≈ 4.5 -> 3.9 ms of HTTP overhead,
     # not a recorded benchmark (docs/benchmarks.md compares the engine modes, not this setting).
+    sock = listen_socket(host, port)
     sys.setswitchinterval(switch_interval_s)
     serving_process_defaults()
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
@@ -161,6 +177,6 @@ def serve(engine_cfg: EngineConfig, settings: ServerSettings, *, host: str = "12
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             timeout_keep_alive=30, access_log=False)
     server = DrainingServer(config, app, settings.drain_grace_s)
-    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-        runner.run(server.serve())
+    with sock, asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        runner.run(server.serve(sockets=[sock]))
     return 1 if failed else 0

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from sits.api.context import ServerContext, context_of
 from sits.api.errors import ErrorResponse, clip
 from sits.engine.errors import SitsError
+from sits.engine.tokenizer import check_text
 from sits.memory.sessions import SessionStore, with_history
 from sits.runtime.hints import current_hints
 
@@ -40,6 +41,7 @@ class SessionTurn:
 
     async def conversation(self, messages: list[dict]) -> list[dict]:
         """The stored history in front of ``messages`` (unless the client already sent it)."""
+        check_text(messages, "messages")    # what a session stores, GET /v1/sessions/{id} must be able to answer
         s = await self.store.get(self.session_id)
         self.turns = s.turns if s is not None else 0
         full, self.new_messages = with_history(s.messages if s is not None else [], messages)

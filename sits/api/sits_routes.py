@@ -64,6 +64,8 @@ async def submit(body: SitsRequest, request: Request) -> JSONResponse:
                                   code="invalid_parameter")
     if body.prompt is not None and not body.prompt:
         raise InvalidRequestError("prompt is empty", param="prompt", code="empty_prompt")
+    if body.unit is None and not ctx.registry.loading:
+        body.unit = _default_unit(ctx)
     subscribers = [ctx.metrics.on_transition]
     rid = f"req_{new_request_id()}"
     t0 = accepted_at(request)
@@ -135,6 +137,18 @@ async def cancel_request(request_id: str, request: Request) -> JSONResponse:
         await asyncio.wait([tr.task])
     tr.lifecycle.reject(*tr.cancel_reason)
     return JSONResponse(tr.view())
+
+
+def _default_unit(ctx: ServerContext) -> str:
+    """The unit a request that names none runs on, decided before the 202: a request that could run
+    nowhere is refused now, not REJECTED once polled (the OpenAI dialect answers ``model`` at once too)."""
+    try:
+        return ctx.registry.default_name()
+    except InvalidRequestError:
+        served = sorted(b.name for b in ctx.registry.all())
+        raise InvalidRequestError(f"name a unit: this server runs {len(served)} ({', '.join(served)}) and cannot "
+                                  "pick one" if served else "name a unit: no unit is deployed", param="unit",
+                                  code="unit_required") from None
 
 
 # -- execution ------------------------------------------------------------------------------------

@@ -43,15 +43,23 @@ def _literal_ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | No
         return None
 
 
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")      # RFC 6052: the IPv4 address is the last 32 bits
+
+
 def is_private_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
     """Anything but a globally routable unicast address (IPv4 inside IPv6 forms unwrapped): private,
     loopback, link-local, CGNAT (100.64/10, e.g. a cloud metadata address), reserved, multicast."""
     if isinstance(ip, ipaddress.IPv6Address):
-        for inner in (ip.ipv4_mapped, ip.sixtofour, (ip.teredo or (None, None))[1]):
+        nat64 = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF) if ip in _NAT64 else None
+        for inner in (ip.ipv4_mapped, ip.sixtofour, (ip.teredo or (None, None))[1], nat64):
             if inner is not None and is_private_address(inner):
                 return True
-    if isinstance(ip, ipaddress.IPv6Address) and ip.is_site_local:
-        return True
+        if nat64 is not None:
+            return False         # a public IPv4 address through the well-known NAT64 prefix
+        # reserved: ::/8 and the other unassigned blocks, which hold IPv4-compatible ::a.b.c.d,
+        # IPv4-translated ::ffff:0:a.b.c.d and NAT64's local-use 64:ff9b:1::/48 (Python calls them global)
+        if ip.is_site_local or ip.is_reserved:
+            return True
     return not ip.is_global or ip.is_multicast
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
@@ -24,6 +25,26 @@ from sits.engine.errors import ContextLengthExceededError, InvalidRequestError, 
 from sits.engine.tool_format import ToolSpec, messages_without_tool_support, template_supports_tools
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(value: Any, param: str) -> None:
+    """400 ``invalid_text`` if a string in ``value`` (or in its lists and dicts, keys included) holds
+    a lone UTF-16 surrogate. JSON can spell one (``"\\ud800"``), UTF-8 cannot: a tokenizer, an
+    embedder, or a later JSON answer that echoes it would fail as a 500. Every route that hands
+    client text to one of those checks it here first (iteratively: client JSON may nest deeply)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if _LONE_SURROGATE.search(v):
+                raise InvalidRequestError("the text contains a lone UTF-16 surrogate (U+D800..U+DFFF), which is not "
+                                          "valid Unicode; send well-formed UTF-8", param=param, code="invalid_text")
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -276,10 +297,7 @@ class Tokenizer:
                 return self._encode_fast([text], add_special_tokens=add_special_tokens)[0].ids
             return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:
-            if any("\ud800" <= ch <= "\udfff" for ch in text):
-                raise InvalidRequestError("the text contains a lone UTF-16 surrogate (U+D800..U+DFFF), which is not "
-                                          "valid Unicode; send well-formed UTF-8", param="prompt",
-                                          code="invalid_text") from None
+            check_text(text, "prompt")      # the tokenizer's TypeError for a lone surrogate, said plainly
             raise
 
     @functools.cached_property

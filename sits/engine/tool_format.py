@@ -44,8 +44,12 @@ class ToolSpec:
                                                  "parameters": self.parameters}}
 
     def call_schema(self) -> dict[str, Any]:
-        """The JSON of one call of this function, as the model writes it."""
-        return {"type": "object", "properties": {"name": {"const": self.name}, "arguments": self.parameters},
+        """The JSON of one call of this function, as the model writes it. The parameters become a
+        schema resource of their own (``$id``), so their ``#/$defs/...`` references (pydantic's,
+        ``openai.pydantic_function_tool``'s) resolve against them, not against this wrapper."""
+        arguments = self.parameters if "$id" in self.parameters else {"$id": f"urn:sits:tool:{self.name}",
+                                                                      **self.parameters}
+        return {"type": "object", "properties": {"name": {"const": self.name}, "arguments": arguments},
                 "required": ["name", "arguments"], "additionalProperties": False}
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import json
+import re
 import sqlite3
 import threading
 import time
@@ -24,6 +25,15 @@ from pathlib import Path
 
 DEFAULT_TTL_S = 24 * 3600.0
 DEFAULT_MAX_MESSAGES = 512       # the oldest turns are dropped beyond this (a session is not an archive)
+_SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+INVALID_SESSION_ID = ("X-Session-ID must be 1 to 128 characters of [A-Za-z0-9._:-], and not '.' or '..', "
+                      "so that /v1/sessions/{id} can name it")
+
+
+def valid_session_id(sid: str) -> bool:
+    """Whether ``sid`` is one URL path segment that comes back unchanged: no '/', '%', '?', '#' or
+    spaces, and not a dot segment (clients resolve those away before sending)."""
+    return _SESSION_ID.fullmatch(sid) is not None and sid not in (".", "..")
 
 
 @dataclass

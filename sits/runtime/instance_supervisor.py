@@ -76,6 +76,14 @@ class SupervisedInstance:
         return self.current.ready
 
     @property
+    def pid(self) -> int:
+        return self.current.pid
+
+    @property
+    def proc(self):
+        return self.current.proc
+
+    @property
     def restarting(self) -> bool:
         return self._restart is not None and not self._restart.done()
 

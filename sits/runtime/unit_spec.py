@@ -126,6 +126,9 @@ def _safe_host_dir(host: str, info: ValidationInfo) -> str:
     return host
 
 
+HostDir = Annotated[str, AfterValidator(_safe_host_dir)]
+
+
 class UnitSpec(_Strict):
     name: str = Field(..., pattern=UNIT_NAME, description="lowercase letters, digits, '.', '_', '-'")
     model: str = Field(..., min_length=1, description="a local Hugging Face model directory")
@@ -137,8 +140,8 @@ class UnitSpec(_Strict):
     fallback: str | None = Field(None, pattern=UNIT_NAME, description="the unit that serves while the breaker is open")
     faults: FaultsSpec | None = Field(None, description="fault injection (testing): see sits.faults")
     tools: list[str] = Field(default_factory=list, description='tool contracts it may call, e.g. "file.read@^1.2"')
-    tool_dirs: dict[str, Annotated[str, AfterValidator(_safe_host_dir)]] = Field(default_factory=dict,
-                                      description="host directory behind each guest directory a tool declares")
+    tool_dirs: dict[str, HostDir] = Field(default_factory=dict,
+                                          description="host directory behind each guest directory a tool declares")
     python_tools: bool = Field(False, description="allow tools with runtime: python (a subprocess, not a sandbox)")
     memory: MemorySpec | None = Field(None, description="retrieval for every request (a RAG unit)")
 

@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -197,21 +198,26 @@ class ZygoteClient:
         path = os.path.join(sock_dir, "zygote.sock")
         proc = subprocess.Popen([sys.executable, "-m", "sits.runtime.zygote", "--socket", path],
                                 stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the zygote exited with {proc.returncode}")
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("the zygote did not start")
-            if os.path.exists(path):
-                try:
-                    reader, writer = await asyncio.open_unix_connection(path)
-                    break
-                except (ConnectionRefusedError, FileNotFoundError):
-                    pass
-            await asyncio.sleep(0.02)
-        hello = await asyncio.wait_for(read_frame(reader), timeout_s)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the zygote exited with {proc.returncode}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the zygote did not start")
+                if os.path.exists(path):
+                    try:
+                        reader, writer = await asyncio.open_unix_connection(path)
+                        break
+                    except (ConnectionRefusedError, FileNotFoundError):
+                        pass
+                await asyncio.sleep(0.02)
+            hello = await asyncio.wait_for(read_frame(reader), timeout_s)
+        except BaseException:         # failed or cancelled (a server stopped while starting): leave nothing
+            proc.kill()
+            proc.wait()
+            shutil.rmtree(sock_dir, ignore_errors=True)
+            raise
         return cls(proc, reader, writer, hello[1], sock_dir)
 
     def preload(self, cfg: dict) -> None:
@@ -260,7 +266,6 @@ class ZygoteClient:
         except (TimeoutError, ConnectionError, RuntimeError):
             self.proc.kill()
         self._task.cancel()
-        import shutil
         shutil.rmtree(self._sock_dir, ignore_errors=True)
 
 

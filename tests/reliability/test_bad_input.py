@@ -3,15 +3,18 @@
 server still answers a normal ``/v1/completions`` request afterwards.
 
 Hand-written cases, grouped as in the reliability brief:
- 1. invalid UTF-8 (body, header values), lone surrogate escapes, NUL bytes
+ 1. invalid UTF-8 (body, header values, a query), lone surrogate escapes (also where text meets the
+    memory's embedder or a session store), NUL bytes
  2. deeply nested JSON, huge / non-finite number literals
  3. oversized bodies (declared and chunked), a 10 MB prompt inside a raised limit
  4. slow clients: trickled headers, trickled bodies, a slow SSE reader
  5. a thousand idle connections
  6. header injection and odd schemes / credentials / lengths in ``callback_url``
- 7. callback URLs aimed at loopback / private / metadata hosts (``allow_private_callbacks`` both ways)
+ 7. callback URLs aimed at loopback / private / metadata hosts, also inside IPv6 forms
+    (``allow_private_callbacks`` both ways)
  8. what else a hostile client of an LLM API tries (absurd sampling values, request amplification,
-    content types, HTTP framing tricks, huge headers, disconnecting before the answer)
+    content types, HTTP framing tricks, huge headers, disconnecting before the answer, session ids
+    that could not be read back, hostile ``$ref``s in tool schemas)
 
 Every socket and HTTP call has an explicit timeout. Servers run with ``engine_mode="thread"``.
 """
@@ -63,6 +66,12 @@ def server(serve_tiny):
 def open_server(serve_tiny):
     """Private / loopback callbacks allowed."""
     return serve_tiny(_settings(allow_private_callbacks=True), engine_mode="thread")
+
+
+@pytest.fixture(scope="module")
+def memory_server(serve_tiny, tmp_path_factory):
+    """Memory and sessions on (a data directory)."""
+    return serve_tiny(_settings(data_dir=str(tmp_path_factory.mktemp("bad-input-data"))), engine_mode="thread")
 
 
 @pytest.fixture(scope="module")
@@ -422,6 +431,46 @@ def test_lone_surrogate_in_sits_request(server, body):
     assert_still_serving(server.url)
 
 
+BAD_TEXT = [
+    # (id, method, path, body, headers): client text bound for the embedder, a memory set or a session
+    ("memory-text", "POST", "/v1/memory/kb", b'{"texts": ["ok", "a\\ud800b"]}', {}),
+    ("memory-meta", "POST", "/v1/memory/kb", b'{"texts": ["ok"], "metas": [{"source": "\\udfff"}]}', {}),
+    ("memory-meta-key", "POST", "/v1/memory/kb", b'{"texts": ["ok"], "metas": [{"\\ud800": 1}]}', {}),
+    ("search-pct-ff", "GET", "/v1/memory/kb/search?q=%ff%fe", None, {}),
+    ("search-pct-cesu", "GET", "/v1/memory/kb/search?q=%ed%a0%80", None, {}),
+    ("search-pct-truncated", "GET", "/v1/memory/kb/search?q=a%e2%82", None, {}),
+    ("embeddings-minilm", "POST", "/v1/embeddings", b'{"model": "all-minilm-l6-v2", "input": ["\\ud800"]}', {}),
+    ("embeddings-model", "POST", "/v1/embeddings", b'{"model": "tiny", "input": ["ok", "\\udc00"]}', {}),
+    ("chat-memory-ref", "POST", CHAT, b'{"model": "tiny", "memory_ref": "kb", "max_tokens": 2, '
+                                      b'"messages": [{"role": "user", "content": "\\ud800"}]}', {}),
+    ("chat-session-name", "POST", CHAT, b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", '
+                                        b'"content": "hi", "name": "\\ud800"}]}', {"x-session-id": "bad-text"}),
+]
+
+
+@pytest.mark.parametrize("method,path,body,headers", [c[1:] for c in BAD_TEXT], ids=[c[0] for c in BAD_TEXT])
+def test_bad_text_bound_for_memory_embeddings_or_sessions(memory_server, method, path, body, headers):
+    """The same 400 ``invalid_text`` as the generation routes, and nothing stored that would make every
+    later read of the set or the session a 500."""
+    url = memory_server.url
+    r = httpx.post(url + "/v1/memory/kb", json={"texts": ["Invoices are due on the 1st."]}, timeout=T)
+    assert r.status_code == 201, r.text[:300]
+    r = httpx.request(method, url + path, content=body, headers={**JSON_CT, **headers}, timeout=T)
+    assert_openai_error(r, status=400, code="invalid_text")
+    for read in ("/v1/memory/kb/memories", "/v1/memory/kb/search?q=invoice"):
+        assert httpx.get(url + read, timeout=T).status_code == 200, f"{read} after {path}"
+    assert httpx.get(url + "/v1/sessions/bad-text", timeout=T).status_code == 404
+    assert_still_serving(url)
+
+
+def test_bad_text_in_a_memory_ref_request(memory_server):
+    url = memory_server.url
+    httpx.post(url + "/v1/memory/kb", json={"texts": ["Invoices are due on the 1st."]}, timeout=T)
+    r = post(url, REQS, b'{"prompt": "when \\ud800?", "memory_ref": "kb", "constraints": {"max_tokens": 2}}')
+    assert_sits_refused_or_rejected(r, url, codes={"invalid_text"})
+    assert_still_serving(url)
+
+
 NULS = [
     ("prompt", CMPL, {"model": "tiny", "prompt": "a\x00b", "max_tokens": 2}, None),
     ("prompt-only-nul", CMPL, {"model": "tiny", "prompt": "\x00", "max_tokens": 2}, None),
@@ -546,16 +595,18 @@ def test_huge_and_non_finite_numbers(server, path, body, param, codes):
 TEN_MB = 10 << 20
 
 
-def _send_in_background(sock: socket.socket, parts) -> threading.Thread:
+def _send_in_background(sock: socket.socket, parts) -> tuple[threading.Thread, list[OSError]]:
+    errors: list[OSError] = []
+
     def run():
         try:
             for p in parts:
                 sock.sendall(p)
-        except OSError:      # the server answered 413 and closed: expected
-            pass
+        except OSError as e:
+            errors.append(e)
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    return t
+    return t, errors
 
 
 def _read_reply(sock: socket.socket, timeout: float) -> RawReply:
@@ -576,8 +627,11 @@ def _read_reply(sock: socket.socket, timeout: float) -> RawReply:
     return RawReply(data, closed, time.monotonic() - t0)
 
 
+@pytest.mark.parametrize("reader", ["concurrent", "after-sending"])
 @pytest.mark.parametrize("framing", ["content-length", "chunked"])
-def test_10mb_body_is_413_quickly(server, framing):
+def test_10mb_body_is_413_quickly(server, framing, reader):
+    """The 413 leaves at once, the upload is read and discarded (no reset), then the connection closes:
+    a client reading while it sends and one that reads only after sending (urllib, requests) both see it."""
     head = b"POST /v1/completions HTTP/1.1\r\nHost: sits.test\r\nContent-Type: application/json\r\n"
     piece = b"a" * 65536
     if framing == "content-length":
@@ -589,13 +643,17 @@ def test_10mb_body_is_413_quickly(server, framing):
         parts = [head] + [chunk] * (TEN_MB // len(piece)) + [b"0\r\n\r\n"]
     t0 = time.monotonic()
     with socket.create_connection(hostport(server.url), timeout=T) as s:
-        sender = _send_in_background(s, parts)
+        sender, send_errors = _send_in_background(s, parts)
+        if reader == "after-sending":
+            sender.join(T)
         reply = _read_reply(s, timeout=T)
         sender.join(T)
     elapsed = time.monotonic() - t0
     assert reply.status == 413, reply.data[:300]
     assert reply.json()["error"]["code"] == "payload_too_large"
+    assert reply.header(b"connection") == b"close"
     assert elapsed < 3.0, f"413 took {elapsed:.1f} s"
+    assert not send_errors, f"the upload was cut: {send_errors}"
     assert reply.closed, "the connection stays open after a 413 on a half-read body"
     assert_still_serving(server.url)
 
@@ -895,6 +953,16 @@ PRIVATE_CALLBACKS = [
     ("private-192", "http://192.168.1.1/"),
     ("private-172", "http://172.16.0.1/"),
     ("link-local-v6-scoped", "http://[fe80::1%25eth0]/"),
+    ("ipv4-compatible", "http://[::127.0.0.1]:{port}/admin/faults"),
+    ("ipv4-compatible-metadata", "http://[::a9fe:a9fe]/latest/meta-data/"),
+    ("ipv4-translated", "http://[::ffff:0:7f00:1]/"),
+    ("nat64-metadata", "http://[64:ff9b::a9fe:a9fe]/latest/meta-data/"),
+    ("nat64-loopback", "http://[64:ff9b::7f00:1]:{port}/admin/faults"),
+    ("nat64-private", "http://[64:ff9b::10.0.0.1]/"),
+    ("nat64-local-use", "http://[64:ff9b:1::a9fe:a9fe]/"),
+    ("6to4-loopback", "http://[2002:7f00:1::]/"),
+    ("6to4-metadata", "http://[2002:a9fe:a9fe::1]/"),
+    ("teredo", "http://[2001:0:4136:e378:8000:63bf:80ff:fffe]/"),
 ]
 
 
@@ -1019,6 +1087,55 @@ def test_absurd_sits_requests(server, body):
     if r.status_code == 202:
         v = httpx.get(f"{server.url}{REQS}/{r.json()['id']}", timeout=T)
         assert len(v.content) < 64 * 1024, f"the stored request view echoes the input ({len(v.content)} bytes)"
+    assert_still_serving(server.url)
+
+
+SESSION_IDS = [
+    ("slash", b"a/b"), ("dot-dot-slash", b"../admin"), ("dot-dot", b".."), ("dot", b"."), ("pct-slash", b"a%2fb"),
+    ("query", b"a?b"), ("fragment", b"a#b"), ("space", b"a b"), ("129-chars", b"s" * 129), ("utf8", "é".encode()),
+]
+
+
+@pytest.mark.parametrize("sid", [c[1] for c in SESSION_IDS], ids=[c[0] for c in SESSION_IDS])
+def test_session_ids_that_could_not_be_read_back_are_400(memory_server, sid):
+    """An id /v1/sessions/{id} could never name (a '/', a dot segment, an escape) is refused where it
+    arrives, on either dialect, instead of starting a session nobody can read or delete."""
+    for path, body in ((CHAT, {"model": "tiny", "messages": MSG, "max_tokens": 2}),
+                       (REQS, {"prompt": "x", "constraints": {"max_tokens": 2}})):
+        r = httpx.post(memory_server.url + path, json=body, headers={"x-session-id": sid}, timeout=T)
+        err = assert_openai_error(r, status=400, code="invalid_session_id")
+        assert "[A-Za-z0-9._:-]" in err["message"]
+    assert_still_serving(memory_server.url)
+
+
+_WEATHER = {"type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"],
+            "$defs": {"City": {"enum": ["Oslo", "Lima"]}}}
+HOSTILE_TOOL_SCHEMAS = [
+    # (id, parameters, whether it is served: True 200, False 400, None either)
+    ("ref-to-defs", _WEATHER, True),
+    ("ref-recursive-root", {"type": "object", "properties": {"next": {"$ref": "#"}}}, True),
+    ("ref-missing", {"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}}, False),
+    ("ref-metadata-url", {"type": "object", "properties": {"a": {"$ref": "http://169.254.169.254/x"}}}, False),
+    ("ref-file", {"type": "object", "properties": {"a": {"$ref": "file:///etc/passwd"}}}, False),
+    ("ref-outside-the-tool", {"type": "object", "properties": {"a": {"$ref": "#/properties/name"}}}, False),
+    ("ref-cycle", {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}},
+                   "$defs": {"x": {"$ref": "#/$defs/y"}, "y": {"$ref": "#/$defs/x"}}}, None),
+]
+
+
+@pytest.mark.parametrize("parameters,served", [c[1:] for c in HOSTILE_TOOL_SCHEMAS],
+                         ids=[c[0] for c in HOSTILE_TOOL_SCHEMAS])
+def test_refs_in_tool_schemas(server, parameters, served):
+    """A tool's ``$ref``s resolve inside its own parameters (pydantic's ``$defs`` work); one that points
+    nowhere, outside the tool, or off the machine is a quick 400 (nothing is fetched), never a 5xx."""
+    t0 = time.monotonic()
+    r = post(server.url, CHAT, {"model": "tiny", "messages": MSG, "max_tokens": 40, "tool_choice": "required",
+                                "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}]})
+    assert time.monotonic() - t0 < FAST_S
+    if served:
+        assert r.status_code == 200, r.text[:300]
+    elif served is False or r.status_code != 200:
+        assert_openai_error(r, status=400, param="tools")
     assert_still_serving(server.url)
 
 
