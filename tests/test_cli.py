@@ -339,3 +339,18 @@ def test_serve_on_a_port_in_use_fails_before_loading_the_model(tiny_model_dir):
     assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "in use" in r.stderr, r.stderr
     assert "curl -s" not in r.stderr
     assert time.monotonic() - t0 < 60
+
+
+def test_serve_with_an_unsupported_model_says_why_without_a_traceback(tiny_model_dir, tmp_path):
+    import shutil
+
+    model = tmp_path / "gpt2ish"
+    shutil.copytree(tiny_model_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(cfg | {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    from conftest import free_port
+    r = subprocess.run([sys.executable, "-m", "sits.cli", "serve", "--model", str(model), "--port", str(free_port()),
+                        "--device", "cpu", "--no-warmup"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "unsupported_model" in r.stderr and "GPT2LMHeadModel" in r.stderr, r.stderr
