@@ -256,12 +256,21 @@ def test_step_degradation_and_link_jitter_slow_an_instance_down(guarded):
     admin(srv, "PUT", "/admin/faults/backup", json={"inject": [
         {"kind": "step_degradation", "stages_ms": [150], "stage_s": 60},
         {"kind": "link_jitter", "min_ms": 20, "max_ms": 40}]})
-    time.sleep(0.5)                                       # the directives reach the instance on the next tick
+
+    def directed():       # sent on the next tick, on the socket the request will take: the instance has them first
+        events = httpx.get(srv.url + "/v1/status").json()["events"]
+        return any(e["unit"] == "backup" and e["event"] == "fault_directives" and e.get("step_stages_ms")
+                   for e in events)
+    deadline = time.monotonic() + 30
+    while not directed():
+        assert time.monotonic() < deadline, "the fault directives never reached the instance"
+        time.sleep(0.05)
     t0 = time.monotonic()
     r = complete(srv, "backup", max_tokens=6, ignore_eos=True)
     slow = time.monotonic() - t0
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
-    assert slow > base + 6 * 0.150 * 0.8, (base, slow)     # >= 6 steps of >= 150 ms, + jitter per frame
+    # 6 tokens take 6 steps, each held to >= 150 ms by the fault, whatever else the host is doing
+    assert slow >= 6 * 0.150 and slow > base, (base, slow)
     view = admin(srv, "GET", "/admin/faults/backup").json()
     assert view["hits"]["step_degradation"] == 1 and view["hits"]["link_jitter"] >= 7
     admin(srv, "DELETE", "/admin/faults/backup")
