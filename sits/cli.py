@@ -327,7 +327,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                              num_requests=args.requests, prompt_words=args.prompt_words, max_tokens=args.max_tokens,
                              chat=not args.completions, repeats=repeats, json_out=args.json,
                              docs_out=args.write_docs, engines=args.engine.split(","), server_args=server_args,
-                             baseline_args=args.baseline_args.split() if args.baseline_args else None)
+                             baseline_args=args.baseline_args.split() if args.baseline_args else None,
+                             baseline_code=args.baseline_code)
     levels = [lv for lvs in result["modes"].values() for lv in lvs]
     print(json.dumps({mode: [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in lv.items()
                               if k != "error_samples"} for lv in lvs] for mode, lvs in result["modes"].items()},
@@ -508,6 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--baseline-args", default=None,
                     help="with --model: per engine mode, also a server with these arguments (e.g. --no-hot-path), "
                          "measured in the same run, runs alternating; reported as ratios")
+    bs.add_argument("--baseline-code", default=None, metavar="CHECKOUT",
+                    help="with --model: per engine mode, also a server running the sits package of another checkout "
+                         "(e.g. `git worktree add /tmp/old HEAD~1`): old vs new code in the same run")
     bs.add_argument("--quick", action="store_true", help="levels 1 and 8, one run (smoke)")
     _add_bench_output_args(bs)
     bs.set_defaults(func=cmd_bench_serve)

@@ -17,9 +17,8 @@ import numpy as np
 from sits.api.errors import ModelNotFoundError, ServiceUnavailableError, clip
 from sits.engine.async_engine import AsyncEngine
 from sits.engine.errors import InvalidRequestError, SitsError
-from sits.engine.llm_engine import EngineStats, TokenEvent
+from sits.engine.messages import EngineRequest, EngineStats, TokenEvent
 from sits.engine.sampling_params import SamplingParams
-from sits.engine.sequence import Sequence
 from sits.engine.tokenizer import Tokenizer
 
 
@@ -35,10 +34,10 @@ class Backend(Protocol):
     def ready(self) -> bool: ...
 
     def prepare(self, prompt: str | list[int], params: SamplingParams, *, request_id: str,
-                priority: int = 0, interactive: bool = True) -> Sequence:
+                priority: int = 0, interactive: bool = True) -> EngineRequest:
         """Validate and tokenize (raises the typed SitsError); nothing is queued yet."""
 
-    def stream(self, prepared: Sequence) -> AsyncIterator[TokenEvent]:
+    def stream(self, prepared: EngineRequest) -> AsyncIterator[TokenEvent]:
         """Queue a prepared request; its token events until the finished one. Closing it aborts."""
 
     def abort(self, request_id: str, error: SitsError | None = None) -> None:
@@ -67,11 +66,11 @@ class EngineBackend:
     def ready(self) -> bool:
         return self.engine.alive
 
-    def prepare(self, prompt, params, *, request_id, priority=0, interactive=True) -> Sequence:
+    def prepare(self, prompt, params, *, request_id, priority=0, interactive=True) -> EngineRequest:
         return self.engine.prepare(prompt, params, request_id=request_id, priority=priority,
                                    interactive=interactive)
 
-    def stream(self, prepared: Sequence) -> AsyncIterator[TokenEvent]:
+    def stream(self, prepared: EngineRequest) -> AsyncIterator[TokenEvent]:
         return self.engine.stream(prepared)
 
     def abort(self, request_id: str, error: SitsError | None = None) -> None:

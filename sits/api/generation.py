@@ -15,9 +15,8 @@ from dataclasses import dataclass, field, replace
 from sits.api.backend import Backend
 from sits.api.metrics import ServerMetrics
 from sits.engine.errors import SitsError
-from sits.engine.llm_engine import TokenEvent
+from sits.engine.messages import EngineRequest, TokenEvent
 from sits.engine.sampling_params import SamplingParams
-from sits.engine.sequence import Sequence
 from sits.observe import genai
 from sits.observe import tracing
 
@@ -89,7 +88,7 @@ class Generation:
         self.inflight = inflight
         self.request_id = request_id
         self.accepted_at = accepted_at if accepted_at is not None else time.monotonic()
-        self.seqs: list[Sequence] = []
+        self.seqs: list[EngineRequest] = []
         self.choices: list[ChoiceResult] = []
         for p_idx, (prompt, params) in enumerate(jobs):
             for c in range(n):

@@ -29,7 +29,7 @@ from sits.api.session_routes import SessionTurn
 from sits.api.structured import Guidance, ToolCallStream, assistant_message, chat_guidance
 from sits.api.sse import SSE_DONE, ClientDisconnected, SSEResponse, sse_data, until_disconnect
 from sits.engine.errors import ContextLengthExceededError, InvalidRequestError, SitsError
-from sits.engine.llm_engine import TokenEvent
+from sits.engine.messages import TokenEvent
 from sits.engine.sampling_params import SamplingParams
 from sits.engine.tool_format import ToolSpec
 from sits.observe import genai, tracing

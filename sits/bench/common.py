@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -84,12 +85,17 @@ def wait_until(pred, timeout_s: float, what: str, interval_s: float = 0.05):
     raise RuntimeError(f"timed out after {timeout_s:g} s waiting for {what}")
 
 
-def start_sits(args: list[str], timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
-    """Run ``sits ARGS --port P`` in a child process (never sharing the benchmark's GIL); wait for /ready."""
+def start_sits(args: list[str], timeout_s: float = 300.0, code_dir: str | None = None) -> tuple[subprocess.Popen, str]:
+    """Run ``sits ARGS --port P`` in a child process (never sharing the benchmark's GIL); wait for /ready.
+    ``code_dir``: run the ``sits`` package found there (another checkout: old vs new code in one run)."""
     port = free_port()
     cmd = [sys.executable, "-m", "sits.cli", *args, "--port", str(port), "--log-level", "warning"]
-    log(f"starting: {' '.join(cmd)}")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = None
+    if code_dir is not None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.abspath(code_dir),
+                                                                          os.environ.get("PYTHONPATH")]))}
+    log(f"starting: {' '.join(cmd)}" + (f" (code from {code_dir})" if code_dir else ""))
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:

@@ -22,6 +22,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -361,14 +362,15 @@ def _warm(url: str, model: str | None, prompt_words: int, chat: bool, label: str
 def sweep(targets: dict[str, str], model: str | None, concurrency: list[int], num_requests: int | None,
           prompt_words: int, max_tokens: int, chat: bool, repeats: int) -> tuple[str, dict[str, list[dict]]]:
     """Every level against every target (label -> URL), the targets taking turns run by run, so a
-    drift of the host (another process, thermal state) lands on all of them alike."""
+    drift of the host (another process, thermal state) lands on all of them alike; the order of the
+    turns reverses every run, so no target always goes first."""
     names = {label: _warm(url, model, prompt_words, chat, label) for label, url in targets.items()}
     out: dict[str, list[dict]] = {label: [] for label in targets}
     for c in concurrency:
         n = num_requests or max(16, 2 * c)
         runs: dict[str, list[dict]] = {label: [] for label in targets}
         for r in range(repeats):
-            for label, url in targets.items():
+            for label, url in (list(targets.items())[::-1] if r % 2 else targets.items()):
                 lv = asyncio.run(run_level(url, names[label], c, n, prompt_words, max_tokens, chat, seed=c * 100 + r))
                 log(f"[{label}] {c} streams, run {r + 1}/{repeats}: ttft p50 {lv['ttft_p50_ms']:.1f} ms "
                     f"(engine {lv['engine_ttft_p50_ms']:.1f}), overhead p50 {lv['overhead_p50_ms']:.2f} ms, "
@@ -379,13 +381,24 @@ def sweep(targets: dict[str, str], model: str | None, concurrency: list[int], nu
     return next(iter(names.values())), out
 
 
+def _revision(checkout: str) -> str:
+    """The checkout's commit, for labels (its path if it is not a git work tree)."""
+    try:
+        return subprocess.run(["git", "-C", checkout, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return checkout
+
+
 def run_serve_bench(*, url: str | None, model_dir: str | None, model: str | None, concurrency: list[int],
                     num_requests: int | None, prompt_words: int, max_tokens: int, chat: bool, repeats: int,
                     json_out: str | None, docs_out: str | None, engines: list[str] | None = None,
-                    server_args: list[str] | None = None, baseline_args: list[str] | None = None) -> dict:
+                    server_args: list[str] | None = None, baseline_args: list[str] | None = None,
+                    baseline_code: str | None = None) -> dict:
     """Sweep concurrency against ``url``, or against ``sits serve --model model_dir`` once per engine
     mode; ``baseline_args`` adds, per mode, a server started with those arguments (e.g.
-    ``--no-hot-path``), measured in the same run and reported as ratios."""
+    ``--no-hot-path``), ``baseline_code`` one running the code of another checkout (old vs new);
+    either is measured in the same run, the servers taking turns, and reported as ratios."""
     if url is not None:
         name, modes = sweep({"server": url}, model, concurrency, num_requests, prompt_words, max_tokens, chat,
                             repeats)
@@ -393,18 +406,21 @@ def run_serve_bench(*, url: str | None, model_dir: str | None, model: str | None
     else:
         if model_dir is None:
             raise ValueError("give --url of a running server or --model DIR to start one")
-        variants: dict[str, list[str]] = {}
+        variants: dict[str, tuple[list[str], str | None]] = {}
         baselines = {}
         for mode in engines or ["process"]:
-            variants[mode] = ["--engine", mode]
-            if baseline_args:
-                label = f"{mode}, {' '.join(baseline_args)}"
-                variants[label] = ["--engine", mode, *baseline_args]
+            variants[mode] = (["--engine", mode], None)
+            if baseline_args or baseline_code:
+                label = f"{mode}, {' '.join(baseline_args or [])}".rstrip(", ")
+                if baseline_code:
+                    label += f" (code at {_revision(baseline_code)})"
+                variants[label] = (["--engine", mode, *(baseline_args or [])], baseline_code)
                 baselines[mode] = label
         started: dict[str, tuple] = {}
         try:
-            for label, extra in variants.items():
-                started[label] = start_sits(["serve", "--model", model_dir, *extra, *(server_args or [])])
+            for label, (extra, code) in variants.items():
+                started[label] = start_sits(["serve", "--model", model_dir, *extra, *(server_args or [])],
+                                            code_dir=code)
             name, modes = sweep({label: u for label, (_, u) in started.items()}, model, concurrency, num_requests,
                                 prompt_words, max_tokens, chat, repeats)
         finally:

@@ -1,10 +1,10 @@
 """AsyncEngine: the engine as an asyncio API (submit -> async stream of token events; abort; stats).
 
-The step loop runs in one dedicated thread (PyTorch releases the GIL inside its kernels, so the
-event loop stays responsive). Requests are validated and tokenized in the caller's task, handed to
-the loop thread through a command queue, and their events come back through per-request asyncio
-queues. A consumer that stops iterating (client gone, task cancelled) aborts its request, which
-frees its KV blocks at the next step boundary.
+A driver of ``EngineCore`` on one dedicated thread (PyTorch releases the GIL inside its kernels, so
+the event loop stays responsive). Requests are validated and tokenized in the caller's task, handed
+to the loop thread as engine messages through a queue, and their events come back through
+per-request asyncio queues. A consumer that stops iterating (client gone, task cancelled) aborts its
+request, which frees its KV blocks at the next step boundary.
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from sits.engine.config import EngineConfig
+from sits.engine.core import EngineCore
 from sits.engine.errors import DuplicateRequestError, EngineDeadError, RequestAbortedError, SitsError
-from sits.engine.llm_engine import EngineStats, LLMEngine, TokenEvent
+from sits.engine.llm_engine import LLMEngine
+from sits.engine.messages import (AbortRequest, EngineInput, EngineOutput, EngineRequest, EngineStats, RequestError,
+                                  StepOutput, TokenEvent)
 from sits.engine.sampling_params import SamplingParams
-from sits.engine.sequence import Sequence
 
 log = logging.getLogger("sits.engine")
 
@@ -34,7 +36,8 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.core = EngineCore(engine)
+        self._inputs: queue.SimpleQueue[EngineInput] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stopping = False
@@ -54,25 +57,25 @@ class AsyncEngine:
 
     # -- public API -----------------------------------------------------------------------------
     def prepare(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                request_id: str | None = None, priority: int = 0, interactive: bool = True) -> Sequence:
+                request_id: str | None = None, priority: int = 0, interactive: bool = True) -> EngineRequest:
         """Validate and tokenize a request without queueing it (raises the typed SitsError)."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop has died: {self._dead!r}")
-        seq = self.engine.make_sequence(prompt, params, request_id=request_id, priority=priority,
-                                        interactive=interactive)
-        if seq.request_id in self._streams:
-            raise DuplicateRequestError(f"request id {seq.request_id!r} is already in use",
+        req = self.engine.make_request(prompt, params, request_id=request_id, priority=priority,
+                                       interactive=interactive)
+        if req.request_id in self._streams:
+            raise DuplicateRequestError(f"request id {req.request_id!r} is already in use",
                                         param="request_id")
-        return seq
+        return req
 
-    async def stream(self, seq: Sequence) -> AsyncIterator[TokenEvent]:
-        """Queue a prepared sequence; yield its token events until (and including) the finished one."""
-        if seq.request_id in self._streams:
-            raise DuplicateRequestError(f"request id {seq.request_id!r} is already in use",
+    async def stream(self, req: EngineRequest) -> AsyncIterator[TokenEvent]:
+        """Queue a prepared request; yield its token events until (and including) the finished one."""
+        if req.request_id in self._streams:
+            raise DuplicateRequestError(f"request id {req.request_id!r} is already in use",
                                         param="request_id")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[seq.request_id] = stream
-        self._send(("add", seq))
+        self._streams[req.request_id] = stream
+        self._send(req)
         finished = False
         try:
             while True:
@@ -84,10 +87,10 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
-            if self._streams.get(seq.request_id) is stream:
-                del self._streams[seq.request_id]
+            if self._streams.get(req.request_id) is stream:
+                del self._streams[req.request_id]
             if not finished:
-                self._send(("abort", seq.request_id))
+                self._send(AbortRequest(req.request_id))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0,
@@ -96,13 +99,13 @@ class AsyncEngine:
 
         Raises the typed SitsError for invalid input before anything is queued.
         """
-        seq = self.prepare(prompt, params, request_id=request_id, priority=priority, interactive=interactive)
-        async for ev in self.stream(seq):
+        req = self.prepare(prompt, params, request_id=request_id, priority=priority, interactive=interactive)
+        async for ev in self.stream(req):
             yield ev
 
     def abort(self, request_id: str, error: SitsError | None = None) -> None:
         """Stop a request now; its consumer gets ``error`` (default: RequestAbortedError)."""
-        self._send(("abort", request_id))
+        self._send(AbortRequest(request_id))
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.loop.call_soon_threadsafe(
@@ -122,44 +125,42 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join, 10)
 
     # -- the loop thread ------------------------------------------------------------------------
-    def _send(self, cmd: tuple) -> None:
-        self._commands.put(cmd)
+    def _send(self, msg: EngineInput) -> None:
+        self._inputs.put(msg)
         self._wake.set()
-
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                kind, arg = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                seq: Sequence = arg
-                try:
-                    self.engine.enqueue(seq)
-                except SitsError as e:
-                    self._deliver(seq.request_id, e)
-            elif kind == "abort":
-                self.engine.abort(arg)
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
+    def _output(self, out: EngineOutput) -> None:
+        if isinstance(out, StepOutput):
+            for ev in out.events:
+                self._deliver(ev.request_id, ev)
+            for err in out.errors:
+                self._deliver(err.request_id, err.to_exception())
+        elif isinstance(out, RequestError):
+            self._deliver(out.request_id, out.to_exception())
+
     def _loop(self) -> None:
+        core = self.core
         try:
             while not self._stopping:
-                self._drain_commands()
-                if not self.engine.has_unfinished:
-                    if self.engine.idle_work():
+                while True:
+                    try:
+                        msg = self._inputs.get_nowait()
+                    except queue.Empty:
+                        break
+                    for out in core.handle(msg):
+                        self._output(out)
+                if not core.has_unfinished:
+                    if core.idle_work():
                         continue
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                for ev in self.engine.step():
-                    self._deliver(ev.request_id, ev)
-                for rid, err in self.engine.take_failures():
-                    self._deliver(rid, err)
+                self._output(core.step())
         except BaseException as e:  # a bug or a device error: fail every stream, loudly
             log.exception("engine loop died")
             self._dead = e

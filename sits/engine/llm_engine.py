@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from itertools import count
 
 import numpy as np
@@ -23,6 +23,7 @@ from sits.engine.errors import EngineStepError, InvalidRequestError, NonFiniteLo
 from sits.engine.guided import vocabulary_for
 from sits.engine.kv_cache import KVCache, bytes_per_block
 from sits.engine.loader import load_model
+from sits.engine.messages import EngineRequest, EngineStats, TokenEvent
 from sits.engine.model_runner import ModelRunner
 from sits.engine.request_validator import RequestValidator
 from sits.engine.sampler import Sampler
@@ -33,51 +34,6 @@ from sits.engine.tokenizer import Tokenizer
 from sits.engine.warmup import run_warmup
 
 log = logging.getLogger("sits.engine")
-
-@dataclass(slots=True)
-class TokenEvent:
-    """One step's news for one request: a token (with its text delta), or the end of the request."""
-
-    request_id: str
-    token_id: int | None
-    text: str
-    index: int                              # position of this token in the output (0-based)
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-    finished: bool = False
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    arrival_time: float = 0.0               # time.monotonic() clock
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    time: float = 0.0                       # when this event was produced
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_waiting: int
-    num_running: int
-    kv_usage: float
-    num_kv_blocks: int
-    num_free_blocks: int
-    prefix_queries: int
-    prefix_hits: int
-    prefix_hit_rate: float
-    num_preemptions: int
-    num_steps: int
-    policy: str
-    cold_start: dict = field(default_factory=dict)
-    gpu_util: float | None = None          # the device's utilisation (0..1) where a GPU exists and NVML answers
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 @dataclass(slots=True)
 class _Request:
@@ -165,15 +121,23 @@ class LLMEngine:
         self.report.ready_at = time.monotonic()
 
     # -- requests -------------------------------------------------------------------------------
-    def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                      request_id: str | None = None, priority: int = 0, interactive: bool = True) -> Sequence:
+    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                     request_id: str | None = None, priority: int = 0, interactive: bool = True) -> EngineRequest:
         """Validate and tokenize a request (no engine state touched: safe from any thread)."""
         params = params or SamplingParams()
         ids = self.validator.prompt_ids(prompt, params, priority)
-        seq = Sequence(request_id or f"req-{next(self._ids)}", ids, params, priority=priority,
-                       interactive=interactive)
-        if params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
+        return EngineRequest(request_id or f"req-{next(self._ids)}", ids, params, priority, interactive)
+
+    def add(self, req: EngineRequest) -> Sequence:
+        """Queue a request; the engine's own ``Sequence`` for it is returned. Its token ids are checked
+        against this engine's limits here too: a front end may have validated against looser ones
+        (a gateway does not know an instance's KV pool)."""
+        ids = self.validator.prompt_ids(req.prompt_token_ids, req.params, req.priority)
+        seq = Sequence(req.request_id, ids, req.params, priority=req.priority, interactive=req.interactive,
+                       arrival_time=req.arrival_time)
+        if req.params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(req.params.seed)
+        self.enqueue(seq)
         return seq
 
     def enqueue(self, seq: Sequence) -> None:
@@ -189,9 +153,7 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, **kw) -> Sequence:
-        seq = self.make_sequence(prompt, params, **kw)
-        self.enqueue(seq)
-        return seq
+        return self.add(self.make_request(prompt, params, **kw))
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its KV blocks at once; False if it is unknown or done."""

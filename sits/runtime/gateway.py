@@ -25,10 +25,9 @@ import numpy as np
 
 from sits.engine.config import ModelConfig
 from sits.engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestAbortedError, SitsError
-from sits.engine.llm_engine import EngineStats, TokenEvent
+from sits.engine.messages import EngineRequest, EngineStats, TokenEvent
 from sits.engine.request_validator import RequestValidator
 from sits.engine.sampling_params import SamplingParams
-from sits.engine.sequence import Sequence
 from sits.engine.tokenizer import Tokenizer
 from sits.faults import FaultInjector, FaultsSpec
 from sits.memory.ingest import ingest_dir
@@ -172,16 +171,16 @@ class UnitBackend:
         return True      # a unit accepts requests at any scale; a cold one makes them wait
 
     def prepare(self, prompt: str | list[int], params: SamplingParams, *, request_id: str, priority: int = 0,
-                interactive: bool = True) -> Sequence:
+                interactive: bool = True) -> EngineRequest:
         if isinstance(prompt, str) and self.spec.prompt_template is not None:
             prompt = self.spec.render_prompt(prompt)
         ids = self.validator.prompt_ids(prompt, params, priority)
         if request_id in self._placed or request_id in self._waiters:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id",
                                       code="duplicate_request_id")
-        return Sequence(request_id, ids, params, priority=priority, interactive=interactive)
+        return EngineRequest(request_id, ids, params, priority, interactive)
 
-    async def _acquire(self, rid: str, seq: Sequence, hashes: list[int], session_id: str | None, lag_s: float = 0.0):
+    async def _acquire(self, rid: str, seq: EngineRequest, hashes: list[int], session_id: str | None, lag_s: float = 0.0):
         """A READY instance for this request and why the router picked it, or the error it was aborted with."""
         budget = len(seq.prompt_token_ids) + seq.params.max_tokens
 
@@ -235,7 +234,7 @@ class UnitBackend:
                 tracing.stage(f"cold_start.{phase}", t, t + ms / 1e3, parent=cs, level="L1")
                 t += ms / 1e3
 
-    async def stream(self, seq: Sequence) -> AsyncIterator[TokenEvent]:
+    async def stream(self, seq: EngineRequest) -> AsyncIterator[TokenEvent]:
         """Stream from an instance; if it dies mid-stream, resume on another one. The end is one
         outcome for the SLA breaker.
 
@@ -328,11 +327,7 @@ class UnitBackend:
                                 self.name, inst.id, rid, len(sent))
                     if left <= 0:
                         raise
-                    # a grammar resumes where it was: the tokens already sent are replayed into it
-                    resumed = replace(seq.params, max_tokens=left,
-                                      grammar_prefix=seq.params.grammar_prefix + sent if seq.params.grammar else [])
-                    cur = Sequence(rid, seq.prompt_token_ids + sent, resumed,
-                                   priority=seq.priority, interactive=seq.interactive, arrival_time=seq.arrival_time)
+                    cur = seq.resumed(sent)         # a grammar resumes where it was: the sent tokens replay into it
                 finally:
                     inst.inflight -= 1
                     self.inflight -= 1
@@ -366,7 +361,7 @@ class UnitBackend:
     async def embed(self, inputs: list[list[int]]) -> np.ndarray:
         """Mean-pooled hidden states from one of this unit's instances (a cold unit starts one)."""
         rid = f"embed-{uuid.uuid4().hex[:12]}"
-        probe = Sequence(rid, max(inputs, key=len), SamplingParams(max_tokens=1))
+        probe = EngineRequest(rid, max(inputs, key=len), SamplingParams(max_tokens=1))
         self.idle_since = None
         inst, _ = await self._acquire(rid, probe, [], None)
         inst.inflight += 1

@@ -25,36 +25,31 @@ import numpy as np
 
 from sits.engine.config import EngineConfig
 from sits.engine.errors import DuplicateRequestError, EngineDeadError, ModelLoadError, RequestAbortedError, SitsError
-from sits.engine.llm_engine import EngineStats, TokenEvent
+from sits.engine.messages import (AbortRequest, EmbedRequest, Embedded, EngineInput, EngineRequest, EngineStats, Fatal,
+                                  FaultDirectives, Hello, Ping, Pong, Ready, RequestError, Shutdown, StepOutput,
+                                  TokenEvent)
 from sits.engine.request_validator import RequestValidator
 from sits.engine.sampling_params import SamplingParams
-from sits.engine.sequence import Sequence
 from sits.engine.tokenizer import Tokenizer
 from sits.runtime.wire import FrameProtocol, encode
 
 
-def _remote_error(code: str, message: str, param: str | None, status: int) -> SitsError:
-    err = SitsError(message, param=param, code=code)
-    err.http_status = status
-    return err
-
-
 class InstanceBackend:
     def __init__(self, name: str, cfg: EngineConfig, proc: subprocess.Popen, conn: FrameProtocol,
-                 info: dict, tokenizer: Tokenizer, sock_dir: str):
+                 info: Ready, tokenizer: Tokenizer, sock_dir: str):
         self.name = name
         self.cfg = cfg
         self.root = str(cfg.model)
         self.created = int(time.time())
         self.proc = proc
-        self.pid = info["pid"]
-        self.max_model_len = info["max_model_len"]
+        self.pid = info.pid
+        self.max_model_len = info.max_model_len
         self.max_num_seqs = cfg.max_num_seqs
         self.tokenizer = tokenizer
-        self.validator = RequestValidator(tokenizer, vocab_size=info["vocab_size"], max_model_len=self.max_model_len,
-                                          block_size=info["block_size"], num_kv_blocks=info["num_kv_blocks"])
+        self.validator = RequestValidator(tokenizer, vocab_size=info.vocab_size, max_model_len=self.max_model_len,
+                                          block_size=info.block_size, num_kv_blocks=info.num_kv_blocks)
         self.kv_capacity_tokens = self.validator.kv_capacity_tokens
-        self.cold_start = info["cold_start"]
+        self.cold_start = info.cold_start
         self._conn = conn
         self._sock_dir = sock_dir
         self._streams: dict[str, asyncio.Queue] = {}
@@ -103,13 +98,13 @@ class InstanceBackend:
         try:
             conn = await asyncio.wait_for(cls._connect(path, proc), start_timeout_s)
             hello = await conn.next_frame()
-            assert hello[0] == "hello", hello
+            assert isinstance(hello, Hello), hello
             if on_phase is not None:
-                on_phase("loading", hello[1])
+                on_phase("loading", {"pid": hello.pid})
             msg = await asyncio.wait_for(conn.next_frame(), start_timeout_s)
-            if msg[0] == "fatal":
-                raise ModelLoadError(f"instance for {cfg.model} failed to start: {msg[2]}", code=msg[1])
-            assert msg[0] == "ready", msg
+            if isinstance(msg, Fatal):
+                raise ModelLoadError(f"instance for {cfg.model} failed to start: {msg.message}", code=msg.code)
+            assert isinstance(msg, Ready), msg
             if tokenizer_task is not None:
                 tokenizer = await tokenizer_task
         except BaseException:
@@ -122,7 +117,7 @@ class InstanceBackend:
             await asyncio.to_thread(proc.wait)
             shutil.rmtree(sock_dir, ignore_errors=True)
             raise
-        return cls(name, cfg, proc, conn, msg[1], tokenizer, sock_dir)
+        return cls(name, cfg, proc, conn, msg, tokenizer, sock_dir)
 
     @staticmethod
     async def _connect(path: str, proc: subprocess.Popen) -> FrameProtocol:
@@ -144,23 +139,23 @@ class InstanceBackend:
         return self._dead is None and not self._closing and self.proc.poll() is None
 
     def prepare(self, prompt: str | list[int], params: SamplingParams, *, request_id: str, priority: int = 0,
-                interactive: bool = True) -> Sequence:
+                interactive: bool = True) -> EngineRequest:
         if self._dead is not None:
             raise EngineDeadError(f"the instance of {self.name} is gone: {self._dead}")
         ids = self.validator.prompt_ids(prompt, params, priority)
         if request_id in self._streams:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        return Sequence(request_id, ids, params, priority=priority, interactive=interactive)
+        return EngineRequest(request_id, ids, params, priority, interactive)
 
-    async def stream(self, seq: Sequence) -> AsyncIterator[TokenEvent]:
-        rid = seq.request_id
+    async def stream(self, req: EngineRequest) -> AsyncIterator[TokenEvent]:
+        rid = req.request_id
         if rid in self._streams:
             raise DuplicateRequestError(f"request id {rid!r} is already in use", param="request_id")
         if self._dead is not None:
             raise EngineDeadError(f"the instance of {self.name} is gone: {self._dead}")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
-        self._send(("add", rid, seq.prompt_token_ids, seq.params, seq.priority, seq.interactive, seq.arrival_time))
+        self._send(req)
         finished = False
         try:
             while True:
@@ -175,7 +170,7 @@ class InstanceBackend:
             if self._streams.get(rid) is q:
                 del self._streams[rid]
             if not finished:
-                self._send(("abort", rid))
+                self._send(AbortRequest(rid))
 
     async def embed(self, inputs: list[list[int]]) -> np.ndarray:
         """Mean-pooled hidden states, computed by the instance between two engine steps."""
@@ -185,13 +180,13 @@ class InstanceBackend:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._embeds[rid] = fut
         try:
-            self._send(("embed", rid, inputs))
+            self._send(EmbedRequest(rid, inputs))
             return await fut
         finally:
             self._embeds.pop(rid, None)
 
     def abort(self, request_id: str, error: SitsError | None = None) -> None:
-        self._send(("abort", request_id))
+        self._send(AbortRequest(request_id))
         q = self._streams.pop(request_id, None)
         if q is not None:
             q.put_nowait(error or RequestAbortedError(f"request {request_id} was aborted"))
@@ -201,11 +196,12 @@ class InstanceBackend:
         if self._ping_sent is None:
             self._ping_seq += 1
             self._ping_sent = time.monotonic()
-            self._send(("ping", self._ping_seq))
+            self._send(Ping(self._ping_seq))
 
     def send_directives(self, directives: dict) -> None:
         """Fault injection: a step-time floor (staged) and whether to ignore pings (see sits.faults)."""
-        self._send(("directives", directives))
+        self._send(FaultDirectives(tuple(directives.get("step_stages_ms") or ()),
+                                   float(directives.get("stage_s") or 0.0), bool(directives.get("drop_pings"))))
 
     @property
     def unanswered_s(self) -> float:
@@ -219,7 +215,7 @@ class InstanceBackend:
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         self._closing = True
-        self._send(("shutdown",))
+        self._send(Shutdown())
         try:
             await asyncio.wait_for(asyncio.to_thread(self.proc.wait), timeout_s)
         except TimeoutError:
@@ -230,36 +226,36 @@ class InstanceBackend:
         shutil.rmtree(self._sock_dir, ignore_errors=True)
 
     # -- the socket -----------------------------------------------------------------------------------
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: EngineInput) -> None:
         if self._dead is None:
             self._conn.write(encode(msg))
 
-    def _dispatch(self, msg: tuple) -> None:
-        """Hand one frame to whoever waits for it (called from the socket's ``data_received``)."""
-        kind = msg[0]
-        if kind == "events":
-            for ev in msg[1]:
+    def _dispatch(self, msg) -> None:
+        """Hand one output to whoever waits for it (called from the socket's ``data_received``)."""
+        if isinstance(msg, StepOutput):
+            for ev in msg.events:
                 q = self._streams.get(ev.request_id)
                 if q is not None:
                     q.put_nowait(ev)
-            if msg[2] is not None:
-                self._stats = msg[2]
-        elif kind == "stats":
-            self._stats = msg[1]
-        elif kind == "embedded":
-            fut = self._embeds.get(msg[1])
+            for err in msg.errors:
+                self._fail(err)
+        elif isinstance(msg, EngineStats):
+            self._stats = msg
+        elif isinstance(msg, Embedded):
+            fut = self._embeds.get(msg.request_id)
             if fut is not None and not fut.done():
-                fut.set_result(msg[2])
-        elif kind == "pong":
+                fut.set_result(msg.vectors)
+        elif isinstance(msg, Pong):
             self.last_pong = time.monotonic()
             self._ping_sent = None
-        elif kind == "error":
-            _, rid, code, message, param, status = msg
-            q = self._streams.get(rid)
-            if q is not None:
-                q.put_nowait(_remote_error(code, message, param, status))
-            elif (fut := self._embeds.get(rid)) is not None and not fut.done():
-                fut.set_exception(_remote_error(code, message, param, status))
+        elif isinstance(msg, RequestError):
+            self._fail(msg)
+
+    def _fail(self, err: RequestError) -> None:
+        if (q := self._streams.get(err.request_id)) is not None:
+            q.put_nowait(err.to_exception())
+        elif (fut := self._embeds.get(err.request_id)) is not None and not fut.done():
+            fut.set_exception(err.to_exception())
 
     def _lost(self, reason: str) -> None:
         """The connection ended: every open stream and embedding gets EngineDeadError at once."""

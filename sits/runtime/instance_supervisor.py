@@ -18,9 +18,8 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 from sits.engine.errors import SitsError
-from sits.engine.llm_engine import EngineStats, TokenEvent
+from sits.engine.messages import EngineRequest, EngineStats, TokenEvent
 from sits.engine.sampling_params import SamplingParams
-from sits.engine.sequence import Sequence
 from sits.runtime.instance_client import InstanceBackend
 
 log = logging.getLogger("sits.runtime")
@@ -89,7 +88,7 @@ class SupervisedInstance:
 
     # -- the Backend API --------------------------------------------------------------------------------
     def prepare(self, prompt: str | list[int], params: SamplingParams, *, request_id: str, priority: int = 0,
-                interactive: bool = True) -> Sequence:
+                interactive: bool = True) -> EngineRequest:
         if self.restarting:
             cause = f" (last start failed: {self.last_start_error})" if self.last_start_error else ""
             err = EngineRestartingError(f"the engine of {self.name} died ({self.last_death}) and is restarting"
@@ -99,7 +98,7 @@ class SupervisedInstance:
         return self.current.prepare(prompt, params, request_id=request_id, priority=priority,
                                     interactive=interactive)
 
-    def stream(self, prepared: Sequence) -> AsyncIterator[TokenEvent]:
+    def stream(self, prepared: EngineRequest) -> AsyncIterator[TokenEvent]:
         return self.current.stream(prepared)
 
     def abort(self, request_id: str, error: SitsError | None = None) -> None:

@@ -1,7 +1,8 @@
 """An instance: one engine in its own process, driven over a Unix socket.
 
-The process has one thread that does everything: read commands, step the engine, write the step's
-token events back as one frame. Nothing shares its GIL, so a step never waits for an HTTP event
+The process is a driver of ``EngineCore``: one thread reads engine messages
+(``sits.engine.messages``) from the socket, hands them to the core, steps it, and writes each step's
+output back as one frame. Nothing shares its GIL, so a step never waits for an HTTP event
 loop and a token never waits for a step. It listens before the model loads, so the front end can
 follow the cold start (``hello`` → ``ready`` with the ColdStartReport, or ``fatal``); it exits when
 told to or when the front end goes away (EOF). SIGINT is ignored: a Ctrl-C in the terminal reaches
@@ -62,119 +63,60 @@ def serve_instance(cfg_dict: dict, sock_path: str, preloaded=None, listener: soc
     lower_priority()
     conn, _ = listener.accept()
     listener.close()
-    send_blocking(conn, ("hello", {"pid": os.getpid()}))
 
+    from sits.engine.messages import Fatal, Hello, Ready
+    send_blocking(conn, Hello(os.getpid()))
     from sits.engine.config import EngineConfig
+    from sits.engine.core import EngineCore
     from sits.engine.errors import SitsError
     from sits.engine.llm_engine import LLMEngine
     try:
         engine = LLMEngine(EngineConfig(**cfg_dict), preloaded=preloaded)
     except SitsError as e:
-        send_blocking(conn, ("fatal", e.code, e.message))
+        send_blocking(conn, Fatal(e.code, e.message))
         return 2
     except Exception as e:  # noqa: BLE001 - reported to the front end, then we exit
-        send_blocking(conn, ("fatal", "model_load_failed", f"{type(e).__name__}: {e}"))
+        send_blocking(conn, Fatal("model_load_failed", f"{type(e).__name__}: {e}"))
         return 2
     pool = engine.pool
-    send_blocking(conn, ("ready", {
-        "max_model_len": engine.max_model_len, "vocab_size": engine.model_config.vocab_size,
-        "block_size": pool.block_size, "num_kv_blocks": pool.num_blocks,
-        "cold_start": engine.report.to_dict(), "pid": os.getpid(), "inherited_weights": engine.inherited_weights}))
-    return _loop(engine, conn)
+    send_blocking(conn, Ready(pid=os.getpid(), max_model_len=engine.max_model_len,
+                              vocab_size=engine.model_config.vocab_size, block_size=pool.block_size,
+                              num_kv_blocks=pool.num_blocks, cold_start=engine.report.to_dict(),
+                              inherited_weights=engine.inherited_weights))
+    return _loop(EngineCore(engine), conn)
 
 
-def _stats(engine):
-    return engine.stats()
+def _loop(core, conn: socket.socket) -> int:
+    from sits.engine.messages import Shutdown
 
-
-class _Directives:
-    """Injected faults this instance obeys: its steps take at least the current stage's time; pings
-    go unanswered while ``drop_pings`` (the process stays alive and keeps serving)."""
-
-    def __init__(self) -> None:
-        self.stages_ms: list[float] = []
-        self.stage_s = 0.0
-        self.since = 0.0
-        self.drop_pings = False
-        self.dropped_ping: int | None = None     # answered once pings resume (the front end asks only once)
-
-    def update(self, d: dict, conn) -> None:
-        self.stages_ms = list(d.get("step_stages_ms") or [])
-        self.stage_s = float(d.get("stage_s") or 0.0)
-        self.since = time.monotonic()
-        self.drop_pings = bool(d.get("drop_pings"))
-        if not self.drop_pings and self.dropped_ping is not None:
-            send_blocking(conn, ("pong", self.dropped_ping))
-            self.dropped_ping = None
-
-    def step_floor_s(self) -> float:
-        if not self.stages_ms:
-            return 0.0
-        i = int((time.monotonic() - self.since) / self.stage_s) if self.stage_s > 0 else 0
-        return self.stages_ms[min(i, len(self.stages_ms) - 1)] / 1e3
-
-
-def _loop(engine, conn: socket.socket) -> int:
-    from sits.engine.errors import SitsError
-
-    faults = _Directives()
     decoder = FrameDecoder()
     dirty = True
     last_stats = 0.0
     while True:
-        busy = engine.has_unfinished or not engine.kv_cache.fully_touched
-        readable, _, _ = select.select([conn], [], [], 0 if busy else (None if not dirty else 0))
+        readable, _, _ = select.select([conn], [], [], 0 if core.busy else (None if not dirty else 0))
         if readable:
             data = conn.recv(1 << 20)
             if not data:
                 return 0                     # the front end is gone
             for msg in decoder.feed(data):
-                kind = msg[0]
-                if kind == "add":
-                    _, rid, ids, params, priority, interactive, arrival = msg
-                    try:
-                        seq = engine.make_sequence(ids, params, request_id=rid, priority=priority,
-                                                   interactive=interactive)
-                        seq.arrival_time = arrival
-                        engine.enqueue(seq)
-                    except SitsError as e:
-                        send_blocking(conn, ("error", rid, e.code, e.message, e.param, e.http_status))
-                elif kind == "embed":           # between steps: the model is this loop's alone
-                    _, rid, inputs = msg
-                    try:
-                        send_blocking(conn, ("embedded", rid, engine.embed(inputs)))
-                    except SitsError as e:
-                        send_blocking(conn, ("error", rid, e.code, e.message, e.param, e.http_status))
-                elif kind == "abort":
-                    engine.abort(msg[1])
-                elif kind == "ping":
-                    if not faults.drop_pings:
-                        send_blocking(conn, ("pong", msg[1]))
-                    else:
-                        faults.dropped_ping = msg[1]
-                elif kind == "directives":
-                    faults.update(msg[1], conn)
-                elif kind == "shutdown":
+                if isinstance(msg, Shutdown):
                     return 0
+                for out in core.handle(msg):
+                    send_blocking(conn, out)
                 dirty = True
-        if engine.has_unfinished:
-            t_step = time.monotonic()
-            events = engine.step()
-            if (floor := faults.step_floor_s()) > 0:
-                time.sleep(max(0.0, floor - (time.monotonic() - t_step)))    # fault: a degraded step
-            if events:                       # tokens first: the stats below are for dashboards
-                send_blocking(conn, ("events", events, None))
-            for rid, e in engine.take_failures():
-                send_blocking(conn, ("error", rid, e.code, e.message, e.param, e.http_status))
+        if core.has_unfinished:
+            out = core.step()
+            if out.events or out.errors:     # tokens first: the stats below are for dashboards
+                send_blocking(conn, out)
             now = time.monotonic()
-            if now - last_stats >= STATS_INTERVAL_S or not engine.has_unfinished:
-                send_blocking(conn, ("stats", _stats(engine)))
+            if now - last_stats >= STATS_INTERVAL_S or not core.has_unfinished:
+                send_blocking(conn, core.stats())
                 last_stats = now
             dirty = True
-        elif engine.idle_work():
+        elif core.idle_work():
             continue
         elif dirty:
-            send_blocking(conn, ("stats", _stats(engine)))
+            send_blocking(conn, core.stats())
             last_stats = time.monotonic()
             dirty = False
 

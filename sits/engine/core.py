@@ -1,0 +1,82 @@
+"""EngineCore: one engine driven by typed messages (``sits.engine.messages``).
+
+A driver owns the thread the core runs on and moves messages in and outputs out; the core does
+everything else. ``AsyncEngine`` is a driver on a thread of the caller's process; an instance
+process (``sits.runtime.instance_worker``) is a driver behind a socket. Both loop the same way:
+``handle`` each input as it arrives, ``step`` while ``has_unfinished``, ``idle_work`` otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+
+from sits.engine.errors import SitsError
+from sits.engine.llm_engine import LLMEngine
+from sits.engine.messages import (AbortRequest, EmbedRequest, Embedded, EngineInput, EngineOutput, EngineRequest,
+                                  EngineStats, FaultDirectives, Ping, Pong, RequestError, StepOutput)
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._faults = FaultDirectives()
+        self._faults_since = 0.0
+        self._dropped_ping: int | None = None     # answered once pings resume (the front end asks only once)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished
+
+    @property
+    def busy(self) -> bool:
+        """Work to do without waiting for input: requests to step, or a KV pool still to fault in."""
+        return self.engine.has_unfinished or not self.engine.kv_cache.fully_touched
+
+    def handle(self, msg: EngineInput) -> list[EngineOutput]:
+        """Apply one input; what it answers at once (an error, embeddings, a pong)."""
+        if isinstance(msg, EngineRequest):
+            try:
+                self.engine.add(msg)
+            except SitsError as e:
+                return [RequestError.of(msg.request_id, e)]
+        elif isinstance(msg, AbortRequest):
+            self.engine.abort(msg.request_id)
+        elif isinstance(msg, EmbedRequest):         # between steps: the model is this core's alone
+            try:
+                return [Embedded(msg.request_id, self.engine.embed(msg.inputs))]
+            except SitsError as e:
+                return [RequestError.of(msg.request_id, e)]
+        elif isinstance(msg, Ping):
+            if not self._faults.drop_pings:
+                return [Pong(msg.seq)]
+            self._dropped_ping = msg.seq
+        elif isinstance(msg, FaultDirectives):
+            self._faults, self._faults_since = msg, time.monotonic()
+            if not msg.drop_pings and self._dropped_ping is not None:
+                seq, self._dropped_ping = self._dropped_ping, None
+                return [Pong(seq)]
+        else:
+            raise TypeError(f"EngineCore cannot handle {type(msg).__name__}")
+        return []
+
+    def step(self) -> StepOutput:
+        """One engine step: its token events and the requests that failed in it."""
+        t0 = time.monotonic()
+        events = self.engine.step()
+        if (floor := self._step_floor_s()) > 0:
+            time.sleep(max(0.0, floor - (time.monotonic() - t0)))    # fault: a degraded step
+        return StepOutput(events, [RequestError.of(rid, e) for rid, e in self.engine.take_failures()])
+
+    def idle_work(self) -> bool:
+        return self.engine.idle_work()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def _step_floor_s(self) -> float:
+        stages = self._faults.step_stages_ms
+        if not stages:
+            return 0.0
+        stage_s = self._faults.stage_s
+        i = int((time.monotonic() - self._faults_since) / stage_s) if stage_s > 0 else 0
+        return stages[min(i, len(stages) - 1)] / 1e3
