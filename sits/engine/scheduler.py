@@ -13,15 +13,20 @@ preempted.
   chunked, in RAAP order: shortest estimated prefill first, interactive before batch, explicit
   priority, predicted output length, memory headroom, minus an aging credit so nothing starves.
 Under KV pressure the lowest-priority running request is preempted and later recomputed.
+
+Blocks are the ``KVCacheManager``'s business: the scheduler asks it for room and tells it what was
+computed, and never touches a block table or a hash itself.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sits.engine.block_pool import BlockPool
 from sits.engine.config import EngineConfig
+from sits.engine.kv_cache_manager import KVCacheManager
 from sits.engine.sequence import Sequence, SequenceStatus
 
 # RAAP weights, in seconds of estimated service time (the unit the aging credit is paid in).
@@ -40,6 +45,10 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, num_new: int) -> None:
+        self.seqs.append(seq)
+        self.num_new.append(num_new)
 
     @property
     def num_tokens(self) -> int:
@@ -79,7 +88,7 @@ class ThroughputModel:
 class Scheduler:
     def __init__(self, cfg: EngineConfig, pool: BlockPool, max_model_len: int):
         self.cfg = cfg
-        self.pool = pool
+        self.kv = KVCacheManager(pool)
         self.max_model_len = max_model_len
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -97,23 +106,16 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        self._free(seq)
+        self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _free(self, seq: Sequence) -> None:
-        if seq.block_table:
-            self.pool.release(seq.block_table)
-        seq.block_table = []
-        seq.block_hashes = []
-        seq.num_computed_tokens = 0
-
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
-        self._free(seq)
+        self.kv.free(seq)
         seq.num_forced = 0                 # recomputed as prefill
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -121,44 +123,33 @@ class Scheduler:
         self.waiting.insert(0, seq)
         batch.preempted.append(seq)
 
-    # -- block accounting -----------------------------------------------------------------------
-    def _blocks_for(self, seq: Sequence, num_new: int) -> int:
-        return max(0, self.pool.blocks_needed(seq.num_computed_tokens + num_new) - len(seq.block_table))
-
-    def _grow(self, seq: Sequence, num_new: int) -> bool:
-        need = self._blocks_for(seq, num_new)
-        if need > self.pool.num_free:
-            return False
-        if need:
-            seq.block_table.extend(self.pool.allocate(need))
+    def _grow_or_preempt(self, seq: Sequence, n: int, batch: ScheduledBatch,
+                         victim: Callable[[], Sequence]) -> bool:
+        """Blocks for ``n`` more tokens of a running ``seq``, preempting ``victim()`` until they fit;
+        False if ``seq`` itself had to go."""
+        while not self.kv.allocate(seq, n):
+            v = victim()
+            self._preempt(v, batch)
+            if v is seq:
+                return False
         return True
-
-    def _match_prefix(self, seq: Sequence) -> None:
-        """On (re)admission, reuse cached full blocks; at least one token is always computed."""
-        if seq.block_table:
-            return
-        ids, hashes = self.pool.match_prefix(seq.all_token_ids, seq.num_tokens - 1)
-        seq.block_table, seq.block_hashes = ids, hashes
-        seq.num_computed_tokens = seq.num_cached_tokens = len(ids) * self.pool.block_size
 
     def _admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         """Try to start (or continue) a waiting sequence's prefill; returns tokens scheduled."""
-        self._match_prefix(seq)
+        self.kv.match_prefix(seq)
         n = min(seq.num_remaining, budget)
-        if not self._grow(seq, n):
+        if not self.kv.allocate(seq, n):
             if seq.block_table:                               # give back the matched prefix
-                self._free(seq)
+                self.kv.free(seq)
                 seq.num_cached_tokens = 0
             return 0
-        queried = (seq.num_tokens - 1) // self.pool.block_size * self.pool.block_size
-        self.pool.record_lookup(queried, seq.num_cached_tokens)
+        self.kv.record_admission(seq)
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()
-        batch.seqs.append(seq)
-        batch.num_new.append(n)
+        batch.add(seq, n)
         return n
 
     # -- policies -------------------------------------------------------------------------------
@@ -174,14 +165,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:      # preempted earlier in this loop
                 continue
             n = min(seq.num_remaining, budget)
-            while not self._grow(seq, n):
-                victim = self.running[-1]
-                self._preempt(victim, batch)
-                if victim is seq:
-                    break
-            if seq.status is SequenceStatus.RUNNING:
-                batch.seqs.append(seq)
-                batch.num_new.append(n)
+            if self._grow_or_preempt(seq, n, batch, lambda: self.running[-1]):    # the newest goes first
+                batch.add(seq, n)
                 budget -= n
         if batch.preempted:
             return batch                                       # no admissions while under pressure
@@ -200,8 +185,7 @@ class Scheduler:
         if not seq.interactive:
             score += BATCH_PENALTY_S
         score -= PRIORITY_STEP_S * seq.priority
-        need = self.pool.blocks_needed(seq.num_tokens + m.predicted_output(seq)) - len(seq.block_table)
-        if need > self.pool.num_free:
+        if self.kv.missing_blocks(seq, seq.num_tokens + m.predicted_output(seq)) > self.kv.num_free:
             score += NO_HEADROOM_PENALTY_S
         return score - self.cfg.aging_per_s * (now - seq.arrival_time)
 
@@ -211,7 +195,7 @@ class Scheduler:
         reserve = 0
         for seq in self.running:
             total = min(seq.num_tokens + m.predicted_output(seq), self.max_model_len)
-            reserve += max(0, self.pool.blocks_needed(total) - len(seq.block_table))
+            reserve += self.kv.missing_blocks(seq, total)
         return reserve
 
     def _schedule_pfsd(self) -> ScheduledBatch:
@@ -229,14 +213,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             n = min(seq.num_remaining, max(1, budget))   # 1, or 1 + tokens a grammar forced (jump-forward)
-            while not self._grow(seq, n):
-                victim = self._lowest_priority(now)
-                self._preempt(victim, batch)
-                if victim is seq:
-                    break
-            if seq.status is SequenceStatus.RUNNING:
-                batch.seqs.append(seq)
-                batch.num_new.append(n)
+            if self._grow_or_preempt(seq, n, batch, lambda: self._lowest_priority(now)):
+                batch.add(seq, n)
                 budget -= n
 
         # Prefill lane: running partial prefills and waiting requests compete in RAAP order.
@@ -250,24 +228,23 @@ class Scheduler:
                 continue
             if seq.status is SequenceStatus.RUNNING:
                 n = min(seq.num_remaining, budget)
-                if not self._grow(seq, n):
+                if not self.kv.allocate(seq, n):
                     continue
-                batch.seqs.append(seq)
-                batch.num_new.append(n)
+                batch.add(seq, n)
                 budget -= n
                 continue
             if len(self.running) >= self.cfg.max_num_seqs:
                 continue
             # Admission keeps the decode window's headroom unless nothing else is running.
             if self.running:
-                need = self.pool.blocks_needed(min(seq.num_tokens + self.model.predicted_output(seq),
-                                                   self.max_model_len))
-                if need + reserve > self.pool.num_free + len(seq.block_table):
+                need = self.kv.blocks_needed(min(seq.num_tokens + self.model.predicted_output(seq),
+                                                 self.max_model_len))
+                if need + reserve > self.kv.num_free + len(seq.block_table):
                     continue
             n = self._admit(seq, budget, batch)
             if n:
                 budget -= n
-                reserve += self.pool.blocks_needed(seq.num_tokens + self.model.predicted_output(seq)) \
+                reserve += self.kv.blocks_needed(seq.num_tokens + self.model.predicted_output(seq)) \
                     - len(seq.block_table)
         return batch
 
@@ -276,16 +253,9 @@ class Scheduler:
 
     # -- after the forward pass -----------------------------------------------------------------
     def on_computed(self, batch: ScheduledBatch) -> None:
-        """Advance computed counts and publish blocks that just became full to the prefix cache."""
-        bs = self.pool.block_size
+        """Advance computed counts; blocks that just became full join the prefix cache."""
         for seq, n in zip(batch.seqs, batch.num_new):
             seq.num_computed_tokens += n
             if seq.num_forced:
                 seq.num_forced = max(0, min(seq.num_forced, seq.num_remaining - 1))
-            full = seq.num_computed_tokens // bs
-            if len(seq.block_hashes) < full:
-                tokens = seq.all_token_ids
-                while len(seq.block_hashes) < full:
-                    i = len(seq.block_hashes)
-                    seq.block_hashes.append(
-                        self.pool.register_full(seq.block_table[i], seq.parent_hash, tokens[i * bs:(i + 1) * bs]))
+            self.kv.cache_full_blocks(seq)
