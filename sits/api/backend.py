@@ -20,6 +20,7 @@ from sits.engine.errors import InvalidRequestError, SitsError
 from sits.engine.messages import EngineRequest, EngineStats, TokenEvent
 from sits.engine.sampling_params import SamplingParams
 from sits.engine.tokenizer import Tokenizer
+from sits.runtime.features import NO_FEATURES, BackendFeatures
 
 
 class Backend(Protocol):
@@ -29,6 +30,7 @@ class Backend(Protocol):
     max_model_len: int
     kv_capacity_tokens: int   # prompt + output of one request can never exceed this
     tokenizer: Tokenizer
+    features: BackendFeatures  # SLO, tools, memory: declared, never probed
 
     @property
     def ready(self) -> bool: ...
@@ -44,6 +46,13 @@ class Backend(Protocol):
         """Stop a queued or running request; its stream raises ``error``."""
 
     def stats(self) -> EngineStats: ...
+
+    def session_instance(self, session_id: str) -> str | None:
+        """Which instance served the session last (kept in the session for affinity); None for one engine."""
+
+    def admit(self) -> "Backend":
+        """Who serves a request addressed to this backend: itself, or (a unit whose SLA breaker is
+        open) its fallback; raises a typed 503 when neither can take it."""
 
     async def embed(self, inputs: list[list[int]]) -> np.ndarray:
         """Unit vectors of the model's mean-pooled hidden states, one row per token-id list."""
@@ -61,6 +70,7 @@ class EngineBackend:
         pool = engine.engine.pool
         self.kv_capacity_tokens = pool.num_blocks * pool.block_size
         self.tokenizer = engine.tokenizer
+        self.features = NO_FEATURES
 
     @property
     def ready(self) -> bool:
@@ -78,6 +88,12 @@ class EngineBackend:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def admit(self) -> "EngineBackend":
+        return self
+
+    def session_instance(self, session_id: str) -> None:
+        return None
 
     async def embed(self, inputs: list[list[int]]) -> np.ndarray:
         return await asyncio.to_thread(self.engine.engine.embed, inputs)
@@ -113,8 +129,7 @@ class BackendRegistry:
         except KeyError:
             raise ModelNotFoundError(f"the model {clip(name)} does not exist; served: "
                                      f"{', '.join(sorted(self._by_name)) or 'none'}", param="model") from None
-        admit = getattr(backend, "admit", None)     # a unit's SLA guard: itself, its fallback, or a 503
-        return admit() if admit is not None else backend
+        return backend.admit()
 
     def default_name(self) -> str:
         """The name a request that names none gets: the only one served; 400 ``model_required`` otherwise."""

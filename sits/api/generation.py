@@ -102,7 +102,7 @@ class Generation:
         if scope is not None:      # from the end of the body read (gateway.accept) to the queue
             tracing.stage("validate", scope.marks.get("accepted", self.accepted_at), self.prepared_at, level="L1",
                           attributes={"sits.sequences": len(self.seqs)})
-        self.ttft_slo_ms: float | None = getattr(backend, "ttft_slo_ms", None)
+        self.ttft_slo_ms: float | None = backend.features.ttft_slo_ms
         self.num_prompts = len(jobs)
         self._started = False
         self._closed = False

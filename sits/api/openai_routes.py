@@ -24,7 +24,7 @@ from sits.api.errors import ErrorResponse, error_response, sits_error_as_dict
 from sits.api.generation import ChoiceResult, Generation
 from sits.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                CompletionResponse, ModelCard, ModelList)
-from sits.api.retrieval import MEMORY_TOP_K, last_user_text, recall, with_context
+from sits.api.retrieval import last_user_text, recall, with_context
 from sits.api.session_routes import SessionTurn
 from sits.api.structured import Guidance, ToolCallStream, assistant_message, chat_guidance
 from sits.api.sse import SSE_DONE, ClientDisconnected, SSEResponse, sse_data, until_disconnect
@@ -196,10 +196,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         messages = await turn.conversation(messages)
     rid = new_request_id()
     citations: list[dict] = []
-    set_name = body.memory_ref or getattr(backend, "memory_set", None)    # a RAG unit retrieves by itself
+    set_name = body.memory_ref or backend.features.memory_set    # a RAG unit retrieves by itself
     if set_name is not None:             # retrieved context first
         citations, context = await recall(ctx, set_name, last_user_text(messages), f"chatcmpl-{rid}",
-                                          getattr(backend, "memory_top_k", MEMORY_TOP_K),
+                                          backend.features.memory_top_k,
                                           required=body.memory_ref is not None)
         if context:
             messages = with_context(messages, context)
@@ -248,7 +248,7 @@ async def _remember(turn: SessionTurn | None, gen: Generation) -> None:
     """A finished answer joins the session (choice 0: the conversation goes on from one answer)."""
     ch = gen.choices[0]
     if turn is not None and ch.finish_reason is not None:
-        instance = getattr(gen.backend, "session_instance", lambda sid: None)(turn.session_id)
+        instance = gen.backend.session_instance(turn.session_id)
         await turn.remember("".join(ch.text), unit=gen.backend.name, instance=instance)
 
 

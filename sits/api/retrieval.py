@@ -12,8 +12,7 @@ from sits.api.errors import clip
 from sits.engine.errors import InvalidRequestError
 from sits.engine.tokenizer import check_text
 from sits.memory.vectors import off_loop
-
-MEMORY_TOP_K = 4
+from sits.runtime.features import DEFAULT_MEMORY_TOP_K
 
 
 def last_user_text(messages: list[dict]) -> str:
@@ -30,7 +29,7 @@ def with_context(messages: list[dict], context: str) -> list[dict]:
     return [{"role": "system", "content": note}] + messages
 
 
-async def recall(ctx: ServerContext, set_name: str, question: str, rid: str, k: int = MEMORY_TOP_K, *,
+async def recall(ctx: ServerContext, set_name: str, question: str, rid: str, k: int = DEFAULT_MEMORY_TOP_K, *,
                  required: bool = True) -> tuple[list[dict], str]:
     """(citations, the context text for the prompt): the set's ``k`` closest memories to ``question``,
     recorded as retrieved by ``rid``. ``required``: an empty or unknown set is an error (an explicit

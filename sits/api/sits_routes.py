@@ -24,7 +24,7 @@ from sits.api.generation import Generation
 from sits.api.lifecycle import RequestState
 from sits.api.protocol import SitsRequest, SitsRequestView
 from sits.api.request_store import RequestStore, TrackedRequest
-from sits.api.retrieval import MEMORY_TOP_K, last_user_text, recall, with_context
+from sits.api.retrieval import last_user_text, recall, with_context
 from sits.api.session_routes import SessionTurn
 from sits.api.tool_loop import ToolLoop
 from sits.api.sse import SSE_KEEPALIVE, SSEResponse, sse_event
@@ -185,7 +185,7 @@ async def _validate(ctx: ServerContext, body: SitsRequest, turn: SessionTurn | N
         raise InvalidRequestError(e.message, param="unit", code="unit_not_found") from None
     loop, choice = None, body.tool_choice
     if body.allowed_tools:
-        unit_tools = getattr(backend, "tools", [])
+        unit_tools = list(backend.features.tools)
         if not unit_tools:
             raise InvalidRequestError(f"unit {backend.name!r} declares no tools; requested: "
                                       f"{clip(', '.join(body.allowed_tools), 200)}", param="allowed_tools",
@@ -198,11 +198,11 @@ async def _validate(ctx: ServerContext, body: SitsRequest, turn: SessionTurn | N
         except ToolError as e:
             raise InvalidRequestError(f"unit {backend.name!r}: {e.message}", param="allowed_tools",
                                       code=e.code) from None
-    set_name = body.memory_ref or getattr(backend, "memory_set", None)     # a RAG unit retrieves by itself
+    set_name = body.memory_ref or backend.features.memory_set     # a RAG unit retrieves by itself
     citations, context = [], ""
     if set_name is not None:
         citations, context = await recall(ctx, set_name, _question(body), rid,
-                                          getattr(backend, "memory_top_k", MEMORY_TOP_K),
+                                          backend.features.memory_top_k,
                                           required=body.memory_ref is not None)
     params = _sampling(body, body.constraints.max_tokens)
     if body.messages is None and turn is None and loop is None:
@@ -275,10 +275,10 @@ async def _run_request(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest
                 tr.usage = gen.usage()
             tr.timings = gen.timings_ms()
             if turn is not None:
-                instance = getattr(backend, "session_instance", lambda sid: None)(turn.session_id)
+                instance = backend.session_instance(turn.session_id)
                 await turn.remember("".join(tr.output), unit=backend.name, instance=instance,
                                     memory_refs=[body.memory_ref] if body.memory_ref else None)
-            if body.remember and (body.memory_ref or getattr(backend, "memory_set", None)) and ctx.memory is not None:
+            if body.remember and (body.memory_ref or backend.features.memory_set) and ctx.memory is not None:
                 written = await off_loop(
                     ctx.memory.add, body.memory_ref or backend.memory_set, [f"Q: {_question(body)}\nA: {''.join(tr.output)}"],
                     [{"request": tr.id}], response_id=tr.id)

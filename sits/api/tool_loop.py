@@ -121,9 +121,9 @@ class ToolLoop:
         error: dict[str, Any] | None = None
         output = ""
         try:      # in a worker process: a call past its deadline is killed with it (sits.tools.runner)
-            result = await self.ctx.tool_runner.run(contract, call.arguments, dirs=getattr(self.backend, "tool_dirs", {}),
+            result = await self.ctx.tool_runner.run(contract, call.arguments, dirs=self.backend.features.tool_dirs,
                                                     trace_id=trace_id,
-                                                    python_allowed=getattr(self.backend, "python_tools", False))
+                                                    python_allowed=self.backend.features.python_tools)
             output = result.output
         except ToolError as e:
             error = {"code": e.code, "message": e.message}

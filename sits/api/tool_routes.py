@@ -15,7 +15,7 @@ router = APIRouter(tags=["sits"])
 @router.get("/v1/tools")
 async def list_tools(request: Request) -> dict[str, Any]:
     ctx = context_of(request)
-    units = {b.name: getattr(b, "tools", []) for b in ctx.registry.all()}
+    units = {b.name: list(b.features.tools) for b in ctx.registry.all()}
     data = []
     for c in ctx.tools.all():
         allowed_by = sorted(u for u, refs in units.items() if any(c.ref == m.ref for r in refs

@@ -38,6 +38,7 @@ from sits.runtime.sla import NOT_OUTCOMES, BreakerState, SlaBreaker, SlaBreakerO
 from sits.runtime.unit_metrics import CpuMeter, MetricsWindow
 from sits.runtime.unit_pool import UnitPool
 from sits.runtime.unit_spec import UnitSpec
+from sits.runtime.features import DEFAULT_MEMORY_TOP_K, BackendFeatures
 from sits.runtime.hints import current_hints
 from sits.runtime.host_fit import check_fits_host
 from sits.runtime.prefetch import Prefetcher
@@ -72,8 +73,10 @@ class UnitBackend:
                                           block_size=16, num_kv_blocks=1 << 30)
         self.kv_capacity_tokens = self.max_model_len
         self.ingested: dict | None = None
-        self.tool_dirs = dict(spec.tool_dirs)
-        self.python_tools = spec.python_tools
+        self.features = BackendFeatures(
+            ttft_slo_ms=spec.slo.ttft_ms, tools=tuple(spec.tools), tool_dirs=dict(spec.tool_dirs),
+            python_tools=spec.python_tools, memory_set=spec.memory.set if spec.memory else None,
+            memory_top_k=spec.memory.top_k if spec.memory else DEFAULT_MEMORY_TOP_K)
         self.gateway = gateway
         self.pool = UnitPool(spec, on_event=lambda kind, data: gateway.record(spec.name, kind, data),
                              launcher=gateway.launcher, tokenizer=self.tokenizer)
@@ -98,26 +101,6 @@ class UnitBackend:
     def fault_hits(self) -> collections.Counter:
         """Times each fault kind acted on this unit, over every fault set it had (for metrics)."""
         return self._past_fault_hits + self.faults.hits
-
-    # -- what the HTTP layer reads of the unit (all from its spec) -------------------------------------
-    @property
-    def ttft_slo_ms(self) -> float:
-        """Responses slower than this are SLO violations (traces keep them)."""
-        return self.spec.slo.ttft_ms
-
-    @property
-    def tools(self) -> list[str]:
-        """Tool contracts requests may ask for (semver constraints)."""
-        return self.spec.tools
-
-    @property
-    def memory_set(self) -> str | None:
-        """A RAG unit retrieves from this set."""
-        return self.spec.memory.set if self.spec.memory else None
-
-    @property
-    def memory_top_k(self) -> int:
-        return self.spec.memory.top_k if self.spec.memory else 4
 
     # -- the SLA guard and faults ---------------------------------------------------------------------
     def _breaker_moved(self, frm: BreakerState, to: BreakerState, why: str) -> None:
@@ -344,7 +327,7 @@ class UnitBackend:
                 waited_ms = gw_first if gw_first is not None else (time.monotonic() - seq.arrival_time) * 1e3
                 if finished or error_code is not None:
                     self.breaker.record(self.breaker.classify(gw_first, error_code), probe=probe)
-                elif waited_ms > self.ttft_slo_ms:      # abandoned or cut short after the SLO had passed
+                elif waited_ms > self.spec.slo.ttft_ms:      # abandoned or cut short after the SLO had passed
                     self.breaker.record(self.breaker.classify(waited_ms, None), probe=probe)
                 else:
                     self.breaker.probe_cancelled(probe)

@@ -31,6 +31,7 @@ from sits.engine.messages import (AbortRequest, EmbedRequest, Embedded, EngineIn
 from sits.engine.request_validator import RequestValidator
 from sits.engine.sampling_params import SamplingParams
 from sits.engine.tokenizer import Tokenizer
+from sits.runtime.features import NO_FEATURES
 from sits.runtime.wire import FrameProtocol, encode
 
 
@@ -46,6 +47,7 @@ class InstanceBackend:
         self.max_model_len = info.max_model_len
         self.max_num_seqs = cfg.max_num_seqs
         self.tokenizer = tokenizer
+        self.features = NO_FEATURES
         self.validator = RequestValidator(tokenizer, vocab_size=info.vocab_size, max_model_len=self.max_model_len,
                                           block_size=info.block_size, num_kv_blocks=info.num_kv_blocks)
         self.kv_capacity_tokens = self.validator.kv_capacity_tokens
@@ -206,6 +208,12 @@ class InstanceBackend:
     @property
     def unanswered_s(self) -> float:
         return 0.0 if self._ping_sent is None else time.monotonic() - self._ping_sent
+
+    def admit(self) -> "InstanceBackend":
+        return self
+
+    def session_instance(self, session_id: str) -> None:
+        return None
 
     def stats(self) -> EngineStats:
         if self._stats is not None:

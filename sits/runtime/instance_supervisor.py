@@ -20,6 +20,7 @@ import numpy as np
 from sits.engine.errors import SitsError
 from sits.engine.messages import EngineRequest, EngineStats, TokenEvent
 from sits.engine.sampling_params import SamplingParams
+from sits.runtime.features import NO_FEATURES
 from sits.runtime.instance_client import InstanceBackend
 
 log = logging.getLogger("sits.runtime")
@@ -41,6 +42,7 @@ class SupervisedInstance:
         self.root = first.root
         self.created = first.created
         self.tokenizer = first.tokenizer
+        self.features = NO_FEATURES
         self.backoff_s = backoff_s
         self.backoff_max_s = backoff_max_s
         self.restarts = 0               # new processes that came up
@@ -106,6 +108,12 @@ class SupervisedInstance:
 
     def stats(self) -> EngineStats:
         return self.current.stats()
+
+    def admit(self) -> "SupervisedInstance":
+        return self
+
+    def session_instance(self, session_id: str) -> None:
+        return None
 
     async def embed(self, inputs: list[list[int]]) -> np.ndarray:
         return await self.current.embed(inputs)
