@@ -9,13 +9,19 @@ replaced does not follow it to the replacement.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from sits.faults.spec import (FaultsSpec, FirstFrameBlock, HeartbeatTimeout, LinkJitter, QueueLag,
                               StepDegradation)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +93,22 @@ class FaultInjector:
                 self.hits["first_frame_block"] += 1
                 total += f.block_ms / 1e3
         return total
+
+    async def delayed(self, events: AsyncIterator[T], path: str | None, hold_first_s: float = 0.0) -> AsyncIterator[T]:
+        """``events`` as a faulty link delivers them: the request's own frame is late too (its delay joins
+        the first event's, so the instance already has the stream and an abort meanwhile reaches it),
+        every event's frame is late, and the first one is held back ``hold_first_s`` more. Closing this
+        closes ``events``."""
+        async with contextlib.aclosing(events):
+            uplink = self.link_delay_s(path)
+            async for ev in events:
+                if d := self.link_delay_s(path) + uplink:
+                    uplink = 0.0
+                    await asyncio.sleep(d)
+                if hold_first_s:
+                    await asyncio.sleep(hold_first_s)
+                    hold_first_s = 0.0
+                yield ev
 
     # -- instance-side directives ---------------------------------------------------------------------
     def directives_for(self, instance_id: str) -> InstanceDirectives:

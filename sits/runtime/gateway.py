@@ -17,7 +17,7 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -49,6 +49,50 @@ from sits.runtime.zygote import ZygoteClient
 log = logging.getLogger("sits.runtime")
 
 MAX_FAILOVERS = 3      # a request that kills this many instances is not retried further
+
+
+@dataclass(slots=True)
+class StreamProgress:
+    """What one request's stream has delivered so far, across failovers: the tokens sent (a resume
+    re-prefills them) and the timings of the first token, which a resumed stream keeps."""
+
+    request: EngineRequest
+    sent: list[int] = field(default_factory=list)
+    ttft_ms: float | None = None              # the engine's time to first token
+    gateway_ttft_ms: float | None = None      # the gateway's own (queueing, cold start, link delays included)
+    first_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    cached: int = 0
+    itls: list[float] = field(default_factory=list)
+    finished: bool = False
+    _prev: float | None = None
+
+    @property
+    def left(self) -> int:
+        """Output tokens the request may still produce."""
+        return self.request.params.max_tokens - len(self.sent)
+
+    def took(self, ev: TokenEvent, resumed_at: int) -> TokenEvent:
+        """Account for ``ev``; a resumed stream's events are renumbered after the ``resumed_at`` tokens
+        sent before it, and carry the first attempt's timings."""
+        if resumed_at:
+            ev = replace(ev, index=ev.index + resumed_at, num_output_tokens=ev.num_output_tokens + resumed_at,
+                         num_prompt_tokens=len(self.request.prompt_token_ids), num_cached_tokens=self.cached,
+                         arrival_time=self.request.arrival_time, first_token_time=self.first_token_time,
+                         first_scheduled_time=self.first_scheduled_time)
+        if ev.token_id is not None:
+            self.sent.append(ev.token_id)
+            if self.ttft_ms is None and ev.first_token_time is not None:
+                self.ttft_ms = (ev.first_token_time - ev.arrival_time) * 1e3
+                self.first_token_time, self.first_scheduled_time = ev.first_token_time, ev.first_scheduled_time
+                self.cached = ev.num_cached_tokens
+            if self._prev is not None:
+                self.itls.append((ev.time - self._prev) * 1e3)
+            self._prev = ev.time
+            if self.gateway_ttft_ms is None:
+                self.gateway_ttft_ms = (time.monotonic() - self.request.arrival_time) * 1e3
+        self.finished = self.finished or ev.finished
+        return ev
 
 
 class UnitBackend:
@@ -236,25 +280,16 @@ class UnitBackend:
         primary = seq.request_id.endswith("-0")
         probe = self.breaker.probe_started() if primary else None
         error_code: str | None = None
-        finished = False
-        gw_first: float | None = None     # the gateway's own time to first token (ms), once known
         rid = seq.request_id
-        sent: list[int] = []
-        first: float | None = None
-        first_token_time: float | None = None
-        first_scheduled: float | None = None
-        prev: float | None = None
-        itls: list[float] = []
-        cached = 0
+        progress = StreamProgress(seq)
         failovers = 0
         cur = seq
         hints = current_hints.get()
         self.gateway.observe_call(self.name, hints)
         hashes = prefix_hashes(seq.prompt_token_ids)
         faults = self.faults
-        active = faults.active
-        lag = faults.queue_lag_s(hints.path) if active else 0.0
-        block = faults.first_frame_s(hints.path) if active else 0.0
+        lag = faults.queue_lag_s(hints.path) if faults.active else 0.0
+        hold_first = faults.first_frame_s(hints.path) if faults.active else 0.0
         try:
             while True:
                 t_route = seq.arrival_time if not failovers else time.monotonic()   # gateway queueing included
@@ -265,52 +300,28 @@ class UnitBackend:
                 inst.inflight += 1
                 self.inflight += 1
                 self._placed[rid] = inst.backend
-                done = len(sent)
+                events = inst.backend.stream(cur)
+                if faults.active:
+                    events = faults.delayed(events, hints.path, hold_first_s=hold_first)
+                resumed_at = len(progress.sent)
                 try:
-                    # fault: the request's own frame is late too; its delay joins the first event's, so the
-                    # instance already has the stream (and an abort meanwhile reaches it)
-                    uplink = faults.link_delay_s(hints.path) if active else 0.0
-                    async for ev in inst.backend.stream(cur):
-                        if active:
-                            if d := faults.link_delay_s(hints.path) + uplink:
-                                uplink = 0.0
-                                await asyncio.sleep(d)     # fault: this event's frame is late
-                            if block and not sent:
-                                await asyncio.sleep(block)  # fault: the first frame is held back
-                                block = 0.0
-                        if done:   # a resumed stream: number its tokens after the ones already sent
-                            ev = replace(ev, index=ev.index + done, num_output_tokens=ev.num_output_tokens + done,
-                                         num_prompt_tokens=len(seq.prompt_token_ids), num_cached_tokens=cached,
-                                         arrival_time=seq.arrival_time, first_token_time=first_token_time,
-                                         first_scheduled_time=first_scheduled)
-                        if ev.token_id is not None:
-                            sent.append(ev.token_id)
-                            if first is None and ev.first_token_time is not None:
-                                first = (ev.first_token_time - ev.arrival_time) * 1e3
-                                first_token_time, first_scheduled = ev.first_token_time, ev.first_scheduled_time
-                                cached = ev.num_cached_tokens
-                            if prev is not None:
-                                itls.append((ev.time - prev) * 1e3)
-                            prev = ev.time
-                            if gw_first is None:
-                                gw_first = (time.monotonic() - seq.arrival_time) * 1e3
+                    async for ev in events:
+                        hold_first = 0.0
+                        ev = progress.took(ev, resumed_at)
                         if ev.finished:
-                            finished = True
-                            self.window.finished(first, (ev.time - ev.arrival_time) * 1e3, ev.num_output_tokens, itls)
+                            self.window.finished(progress.ttft_ms, (ev.time - ev.arrival_time) * 1e3,
+                                                 ev.num_output_tokens, progress.itls)
                         yield ev
                     return
                 except EngineDeadError as e:
-                    if failovers >= MAX_FAILOVERS:
+                    if failovers >= MAX_FAILOVERS or progress.left <= 0:
                         raise
                     failovers += 1
-                    left = seq.params.max_tokens - len(sent)
                     self.gateway.record(self.name, "failover", {"request": rid, "instance": inst.id,
-                                                                "tokens_sent": len(sent), "error": e.message})
+                                                                "tokens_sent": len(progress.sent), "error": e.message})
                     log.warning("unit %s: instance %s died under request %s after %d token(s); resuming elsewhere",
-                                self.name, inst.id, rid, len(sent))
-                    if left <= 0:
-                        raise
-                    cur = seq.resumed(sent)         # a grammar resumes where it was: the sent tokens replay into it
+                                self.name, inst.id, rid, len(progress.sent))
+                    cur = seq.resumed(progress.sent)    # a grammar resumes where it was: the sent tokens replay into it
                 finally:
                     inst.inflight -= 1
                     self.inflight -= 1
@@ -324,13 +335,19 @@ class UnitBackend:
             raise
         finally:
             if primary:
-                waited_ms = gw_first if gw_first is not None else (time.monotonic() - seq.arrival_time) * 1e3
-                if finished or error_code is not None:
-                    self.breaker.record(self.breaker.classify(gw_first, error_code), probe=probe)
-                elif waited_ms > self.spec.slo.ttft_ms:      # abandoned or cut short after the SLO had passed
-                    self.breaker.record(self.breaker.classify(waited_ms, None), probe=probe)
-                else:
-                    self.breaker.probe_cancelled(probe)
+                self._record_outcome(progress, error_code, probe)
+
+    def _record_outcome(self, progress: "StreamProgress", error_code: str | None, probe) -> None:
+        """The request's one outcome for the SLA breaker (see ``stream``)."""
+        waited_ms = progress.gateway_ttft_ms
+        if waited_ms is None:
+            waited_ms = (time.monotonic() - progress.request.arrival_time) * 1e3
+        if progress.finished or error_code is not None:
+            self.breaker.record(self.breaker.classify(progress.gateway_ttft_ms, error_code), probe=probe)
+        elif waited_ms > self.spec.slo.ttft_ms:      # abandoned or cut short after the SLO had passed
+            self.breaker.record(self.breaker.classify(waited_ms, None), probe=probe)
+        else:
+            self.breaker.probe_cancelled(probe)
 
     def abort(self, request_id: str, error: SitsError | None = None) -> None:
         err = error or RequestAbortedError(f"request {request_id} was aborted")
