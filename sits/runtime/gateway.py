@@ -20,6 +20,7 @@ import uuid
 from dataclasses import asdict, dataclass, field, replace
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -39,7 +40,7 @@ from sits.runtime.unit_metrics import CpuMeter, MetricsWindow
 from sits.runtime.unit_pool import UnitPool
 from sits.runtime.unit_spec import UnitSpec
 from sits.runtime.features import DEFAULT_MEMORY_TOP_K, BackendFeatures
-from sits.runtime.hints import current_hints
+from sits.runtime.hints import RequestHints, current_hints
 from sits.runtime.host_fit import check_fits_host
 from sits.runtime.prefetch import Prefetcher
 from sits.runtime.router import Router, prefix_hashes
@@ -49,6 +50,21 @@ from sits.runtime.zygote import ZygoteClient
 log = logging.getLogger("sits.runtime")
 
 MAX_FAILOVERS = 3      # a request that kills this many instances is not retried further
+
+
+class UnitHost(Protocol):
+    """What a unit needs from the gateway that runs it (``Gateway`` is one): somewhere to report what
+    happened, its fallback, a way to ask for an autoscaler run now, and how instances start."""
+
+    def record(self, unit: str, kind: str, data: dict) -> None: ...
+
+    def unit(self, name: str) -> "UnitBackend | None": ...
+
+    def kick(self, name: str) -> None: ...
+
+    def observe_call(self, unit: str, hints: RequestHints) -> None: ...
+
+    def launcher(self): ...
 
 
 @dataclass(slots=True)
@@ -96,7 +112,7 @@ class StreamProgress:
 
 
 class UnitBackend:
-    def __init__(self, spec: UnitSpec, gateway: "Gateway"):
+    def __init__(self, spec: UnitSpec, host: "UnitHost"):
         self.spec = spec
         self.name = spec.name
         self.root = spec.model
@@ -121,9 +137,9 @@ class UnitBackend:
             ttft_slo_ms=spec.slo.ttft_ms, tools=tuple(spec.tools), tool_dirs=dict(spec.tool_dirs),
             python_tools=spec.python_tools, memory_set=spec.memory.set if spec.memory else None,
             memory_top_k=spec.memory.top_k if spec.memory else DEFAULT_MEMORY_TOP_K)
-        self.gateway = gateway
-        self.pool = UnitPool(spec, on_event=lambda kind, data: gateway.record(spec.name, kind, data),
-                             launcher=gateway.launcher, tokenizer=self.tokenizer)
+        self.host = host
+        self.pool = UnitPool(spec, on_event=lambda kind, data: host.record(spec.name, kind, data),
+                             launcher=host.launcher, tokenizer=self.tokenizer)
         self.autoscaler = Autoscaler(spec.scale, spec.slo)
         self.router = Router()
         self.routed: collections.Counter = collections.Counter()
@@ -148,8 +164,7 @@ class UnitBackend:
 
     # -- the SLA guard and faults ---------------------------------------------------------------------
     def _breaker_moved(self, frm: BreakerState, to: BreakerState, why: str) -> None:
-        self.gateway.record(self.name, "breaker", {"from": frm.value, "to": to.value, "reason": why})
-        self.gateway.breaker_transitions[(self.name, to.value)] += 1
+        self.host.record(self.name, "breaker", {"from": frm.value, "to": to.value, "reason": why})
         (log.warning if to is BreakerState.OPEN else log.info)("unit %s: SLA breaker %s -> %s (%s)",
                                                                 self.name, frm.value, to.value, why)
 
@@ -158,7 +173,7 @@ class UnitBackend:
         if self.breaker.admits():
             return self
         self.breaker.rejected += 1
-        fb = self.gateway.units.get(self.spec.fallback) if self.spec.fallback else None
+        fb = self.host.unit(self.spec.fallback) if self.spec.fallback else None
         if fb is not None and fb is not self and fb.breaker.admits():
             self.fallbacks += 1
             return fb
@@ -174,7 +189,7 @@ class UnitBackend:
         """Replace this unit's faults (admin endpoint); instances get the new directives at once."""
         self._past_fault_hits.update(self.faults.hits)
         self.faults = FaultInjector(spec or FaultsSpec())
-        self.gateway.record(self.name, "faults", {"inject": [f.kind for f in self.faults.spec.inject],
+        self.host.record(self.name, "faults", {"inject": [f.kind for f in self.faults.spec.inject],
                                                   "enabled": self.faults.spec.enabled, "seed": self.faults.spec.seed})
         self.direct_instances()
 
@@ -189,7 +204,7 @@ class UnitBackend:
                 if not (d.empty and inst.id not in self._directed):
                     inst.backend.send_directives(d.to_dict())
                     if not d.empty:
-                        self.gateway.record(self.name, "fault_directives", {"instance": inst.id, **d.to_dict()})
+                        self.host.record(self.name, "fault_directives", {"instance": inst.id, **d.to_dict()})
                 self._directed[inst.id] = d
 
     # -- the Backend API ------------------------------------------------------------------------------
@@ -226,7 +241,7 @@ class UnitBackend:
             async def lagged_acquire():
                 if lag_s:
                     await asyncio.sleep(lag_s)     # fault: held in the gateway queue (abortable, like any wait)
-                return await self.pool.acquire(on_wait=lambda: self.gateway.kick(self.name), choose=choose)
+                return await self.pool.acquire(on_wait=lambda: self.host.kick(self.name), choose=choose)
 
             acquire = asyncio.ensure_future(lagged_acquire())
             done, _ = await asyncio.wait({acquire, aborted}, return_when=asyncio.FIRST_COMPLETED)
@@ -285,7 +300,7 @@ class UnitBackend:
         failovers = 0
         cur = seq
         hints = current_hints.get()
-        self.gateway.observe_call(self.name, hints)
+        self.host.observe_call(self.name, hints)
         hashes = prefix_hashes(seq.prompt_token_ids)
         faults = self.faults
         lag = faults.queue_lag_s(hints.path) if faults.active else 0.0
@@ -317,7 +332,7 @@ class UnitBackend:
                     if failovers >= MAX_FAILOVERS or progress.left <= 0:
                         raise
                     failovers += 1
-                    self.gateway.record(self.name, "failover", {"request": rid, "instance": inst.id,
+                    self.host.record(self.name, "failover", {"request": rid, "instance": inst.id,
                                                                 "tokens_sent": len(progress.sent), "error": e.message})
                     log.warning("unit %s: instance %s died under request %s after %d token(s); resuming elsewhere",
                                 self.name, inst.id, rid, len(progress.sent))
@@ -409,10 +424,9 @@ class UnitBackend:
                                    idle_since=self.idle_since)
         self.last_decision = d
         if d.target != self.pool.desired:
-            self.gateway.record(self.name, "scale", {"from": d.current, "to": d.target, "reason": d.reason,
-                                                     "slo_health": d.health})
+            self.host.record(self.name, "scale", {"from": d.current, "to": d.target, "reason": d.reason,
+                                                     "slo_health": d.health, "direction": d.direction})
             log.info("unit %s: scale %d -> %d (%s)", self.name, d.current, d.target, d.reason)
-            self.gateway.decisions[(self.name, d.direction)] += 1
             self.pool.scale_to(d.target, d.reason, urgent=d.current == 0 and self.waiting > 0)
         else:
             self.pool.reconcile(d.reason)        # replaces crashed instances
@@ -495,14 +509,23 @@ class Gateway:
                 continue
             reason = f"prefetch: P({nxt} | {unit}) = {p:.2f} >= {self.prefetcher.threshold:g}"
             self.record(nxt, "prefetch", {"after": unit, "p": round(p, 3)})
-            self.record(nxt, "scale", {"from": b.pool.desired, "to": b.pool.desired + 1, "reason": reason})
-            self.decisions[(nxt, "up")] += 1
+            self.record(nxt, "scale", {"from": b.pool.desired, "to": b.pool.desired + 1, "reason": reason,
+                                       "direction": "up"})
             b.idle_since = time.monotonic()           # keep-alive counts from the pre-warm
             b.autoscaler.state.calm_since = time.monotonic()
             b.pool.scale_to(b.pool.desired + 1, reason)
 
+    def unit(self, name: str) -> UnitBackend | None:
+        return self.units.get(name)
+
     def record(self, unit: str, kind: str, data: dict) -> None:
+        """The one way units tell the gateway what happened: kept in the event log, and counted for
+        metrics (autoscaler decisions, breaker transitions) from the events themselves."""
         self.events.append({"time": time.time(), "unit": unit, "event": kind, **data})
+        if kind == "scale" and data.get("direction"):
+            self.decisions[(unit, data["direction"])] += 1
+        elif kind == "breaker":
+            self.breaker_transitions[(unit, data["to"])] += 1
 
     # -- units ----------------------------------------------------------------------------------------
     async def deploy(self, spec: UnitSpec, *, persist: bool = True) -> UnitBackend:
