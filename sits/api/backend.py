@@ -21,6 +21,7 @@ from sits.engine.messages import EngineRequest, EngineStats, TokenEvent
 from sits.engine.sampling_params import SamplingParams
 from sits.engine.tokenizer import Tokenizer
 from sits.runtime.features import NO_FEATURES, BackendFeatures
+from sits.runtime.hints import RequestHints
 
 
 class Backend(Protocol):
@@ -39,8 +40,9 @@ class Backend(Protocol):
                 priority: int = 0, interactive: bool = True) -> EngineRequest:
         """Validate and tokenize (raises the typed SitsError); nothing is queued yet."""
 
-    def stream(self, prepared: EngineRequest) -> AsyncIterator[TokenEvent]:
-        """Queue a prepared request; its token events until the finished one. Closing it aborts."""
+    def stream(self, prepared: EngineRequest, hints: RequestHints | None = None) -> AsyncIterator[TokenEvent]:
+        """Queue a prepared request; its token events until the finished one. Closing it aborts.
+        ``hints`` (session, trace, route) steer routing and faults where there is a choice to make."""
 
     def abort(self, request_id: str, error: SitsError | None = None) -> None:
         """Stop a queued or running request; its stream raises ``error``."""
@@ -80,7 +82,7 @@ class EngineBackend:
         return self.engine.prepare(prompt, params, request_id=request_id, priority=priority,
                                    interactive=interactive)
 
-    def stream(self, prepared: EngineRequest) -> AsyncIterator[TokenEvent]:
+    def stream(self, prepared: EngineRequest, hints: RequestHints | None = None) -> AsyncIterator[TokenEvent]:
         return self.engine.stream(prepared)
 
     def abort(self, request_id: str, error: SitsError | None = None) -> None:

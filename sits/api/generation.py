@@ -19,6 +19,7 @@ from sits.engine.messages import EngineRequest, TokenEvent
 from sits.engine.sampling_params import SamplingParams
 from sits.observe import genai
 from sits.observe import tracing
+from sits.runtime.hints import current_hints
 
 
 @dataclass(slots=True)
@@ -103,6 +104,7 @@ class Generation:
             tracing.stage("validate", scope.marks.get("accepted", self.accepted_at), self.prepared_at, level="L1",
                           attributes={"sits.sequences": len(self.seqs)})
         self.ttft_slo_ms: float | None = backend.features.ttft_slo_ms
+        self.hints = current_hints.get()        # set by the edge for this HTTP request; handed to the backend
         self.num_prompts = len(jobs)
         self._started = False
         self._closed = False
@@ -191,7 +193,7 @@ class Generation:
         prev: float | None = None
         unobserved: tuple[TokenEvent, float | None] | None = None
         try:
-            async for ev in self.backend.stream(seq):
+            async for ev in self.backend.stream(seq, self.hints):
                 if unobserved is not None:
                     self.metrics.observe_token(model, *unobserved)
                 unobserved = (ev, prev)     # observed once the consumer has sent this event on

@@ -40,7 +40,7 @@ from sits.runtime.unit_metrics import CpuMeter, MetricsWindow
 from sits.runtime.unit_pool import UnitPool
 from sits.runtime.unit_spec import UnitSpec
 from sits.runtime.features import DEFAULT_MEMORY_TOP_K, BackendFeatures
-from sits.runtime.hints import RequestHints, current_hints
+from sits.runtime.hints import RequestHints
 from sits.runtime.host_fit import check_fits_host
 from sits.runtime.prefetch import Prefetcher
 from sits.runtime.router import Router, prefix_hashes
@@ -276,7 +276,7 @@ class UnitBackend:
                 tracing.stage(f"cold_start.{phase}", t, t + ms / 1e3, parent=cs, level="L1")
                 t += ms / 1e3
 
-    async def stream(self, seq: EngineRequest) -> AsyncIterator[TokenEvent]:
+    async def stream(self, seq: EngineRequest, hints: RequestHints | None = None) -> AsyncIterator[TokenEvent]:
         """Stream from an instance; if it dies mid-stream, resume on another one. The end is one
         outcome for the SLA breaker.
 
@@ -299,7 +299,7 @@ class UnitBackend:
         progress = StreamProgress(seq)
         failovers = 0
         cur = seq
-        hints = current_hints.get()
+        hints = hints or RequestHints()
         self.host.observe_call(self.name, hints)
         hashes = prefix_hashes(seq.prompt_token_ids)
         faults = self.faults

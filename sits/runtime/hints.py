@@ -1,8 +1,9 @@
-"""Per-request routing hints, carried from the HTTP edge to the runtime in a context variable.
+"""Per-request routing hints: the session, the trace and the route a request came by.
 
-The HTTP layer sets them (``X-Session-ID``, the W3C trace id) when a request arrives; the gateway's
-router and prefetcher read them. A context variable follows the request into every task it spawns,
-and the Backend API stays free of transport details.
+The HTTP edge sets them (``X-Session-ID``, the W3C trace id, the path) in a context variable when a
+request arrives, which follows the request into every task it spawns (an async ``/v1/requests``
+runs in one); the API layer hands them to ``Backend.stream`` explicitly, and the gateway's router,
+prefetcher and fault injection read them from there.
 """
 
 from __future__ import annotations

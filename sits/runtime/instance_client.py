@@ -149,7 +149,8 @@ class InstanceBackend:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use", param="request_id")
         return EngineRequest(request_id, ids, params, priority, interactive)
 
-    async def stream(self, req: EngineRequest) -> AsyncIterator[TokenEvent]:
+    async def stream(self, req: EngineRequest, hints=None) -> AsyncIterator[TokenEvent]:
+        """``hints`` are for backends that route; one instance has nothing to choose."""
         rid = req.request_id
         if rid in self._streams:
             raise DuplicateRequestError(f"request id {rid!r} is already in use", param="request_id")

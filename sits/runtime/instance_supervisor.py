@@ -100,7 +100,7 @@ class SupervisedInstance:
         return self.current.prepare(prompt, params, request_id=request_id, priority=priority,
                                     interactive=interactive)
 
-    def stream(self, prepared: EngineRequest) -> AsyncIterator[TokenEvent]:
+    def stream(self, prepared: EngineRequest, hints=None) -> AsyncIterator[TokenEvent]:
         return self.current.stream(prepared)
 
     def abort(self, request_id: str, error: SitsError | None = None) -> None:
