@@ -41,7 +41,7 @@ run)
     status=0
     python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py tests/test_model_parity.py \
         2>&1 | tee "$OUT/tests.log" || status=1
-    python3 -c 'from sits.engine.models.tiny import build_tiny_model; build_tiny_model("/tmp/sits-small", preset="small", seed=0)'
+    python3 -c 'from sits.modelbuild.tiny import build_tiny_model; build_tiny_model("/tmp/sits-small", preset="small", seed=0)'
     for dtype in float32 bfloat16; do
         python3 -m sits.cli bench engine --model /tmp/sits-small --device cuda --dtype "$dtype" --repeats 3 \
             --json "$OUT/engine_cuda_$dtype.json" --write-docs "$OUT/benchmarks_cuda_$dtype.md" \

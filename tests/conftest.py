@@ -9,7 +9,7 @@ import torch
 
 from sits.engine.config import EngineConfig
 from sits.engine.llm_engine import LLMEngine
-from sits.engine.models.tiny import build_tiny_model
+from sits.modelbuild.tiny import build_tiny_model
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from sits.engine.config import ModelConfig
 from sits.engine.models.llama import LlamaForCausalLM
-from sits.engine.models.tiny import PRESETS, SPECIAL_TOKENS, build_tiny_model
+from sits.modelbuild.tiny import PRESETS, SPECIAL_TOKENS, build_tiny_model
 
 FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
          "generation_config.json", "build_info.json"]

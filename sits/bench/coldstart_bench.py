@@ -13,6 +13,8 @@ Medians of ``--repeats`` starts each (≥ 5 by default), the phase breakdown of 
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -20,10 +22,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import httpx
+from sits.bench.common import add_bench_command, log, publish, start_sits, stop_sits, wait_until
 
-from sits.bench.common import log, publish, start_sits, stop_sits, wait_until
+if TYPE_CHECKING:
+    import httpx
 
 DOC_BEGIN = "<!-- sits bench coldstart: begin -->"
 DOC_END = "<!-- sits bench coldstart: end -->"
@@ -61,6 +65,7 @@ def first_token_ms(url: str, unit: str) -> float:
     """Send -> first streamed token, on one reused client (a new httpx client costs ~35 ms of TLS setup)."""
     global _CLIENT
     if _CLIENT is None:
+        import httpx    # not at the top: `sits --help` imports every benchmark module
         _CLIENT = httpx.Client(timeout=600)
     body = {"model": unit, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
@@ -88,6 +93,7 @@ def run_coldstart_bench(model_dir: str, *, repeats: int = 5, json_out: str | Non
         for i in range(repeats):
             naive.append(naive_once(model_dir))
             log(f"naive start {i + 1}/{repeats}: {naive[-1]:.0f} ms")
+    import httpx
     proc, url = start_sits(["up", "--config", str(work / "sits.yaml"), "--data-dir", str(work / "data")])
     cold: list[float] = []
     warm: list[float] = []
@@ -135,3 +141,20 @@ def _markdown(r: dict, command: str) -> str:
              "SITS cold-start phases (median ms): " +
              ", ".join(f"{k} {v:.0f}" for k, v in r["phases_ms"].items()), "", DOC_END]
     return "\n".join(lines)
+
+
+def _cli(args: argparse.Namespace) -> int:
+    r = run_coldstart_bench(args.model, repeats=args.repeats, json_out=args.json, docs_out=args.write_docs,
+                            threads=args.threads, skip_naive=args.skip_naive, warmup=args.warmup)
+    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
+                      if not k.endswith("_runs_ms")}, indent=2))
+    return 0
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    p = add_bench_command(subparsers, "coldstart",
+                          "no instance -> first token: naive transformers vs SITS cold vs warm", _cli,
+                          threads="CPU threads per instance",
+                          repeats="starts measured per variant, median reported", repeats_default=5)
+    p.add_argument("--warmup", default="all", choices=["all", "minimal", "false"], help="the unit's warm-up")
+    p.add_argument("--skip-naive", action="store_true", help="SITS cold/warm only (no transformers baseline)")

@@ -1,7 +1,9 @@
-"""What every benchmark shares: progress lines, percentiles, and its section of docs/benchmarks.md."""
+"""What every benchmark shares: its command-line arguments, progress lines, percentiles, and its
+section of docs/benchmarks.md."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -12,9 +14,27 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
-
 DOC_HEADER = "# Benchmarks\n\nEvery figure is a ratio against a baseline measured in the same run.\n\n"
+
+
+def add_bench_command(subparsers: argparse._SubParsersAction, name: str, help: str, run, *, model: bool = True,
+                      threads: str | None = None, repeats: str | None = None,
+                      repeats_default: int | None = None) -> argparse.ArgumentParser:
+    """``sits bench NAME``, run by ``run(args)``, with the arguments benchmarks share: ``--model``
+    (unless it brings its own), ``--threads`` (``threads``: whose threads), ``--repeats`` (``repeats``:
+    what one repeat is), ``--json`` and ``--write-docs``. Returns the parser for its own arguments."""
+    p = subparsers.add_parser(name, help=help)
+    if model:
+        p.add_argument("--model", required=True, help="local Hugging Face model directory")
+    if threads:
+        p.add_argument("--threads", type=int, default=None, help=f"{threads} (default: all cores)")
+    if repeats:
+        p.add_argument("--repeats", type=int, default=repeats_default, help=repeats)
+    p.add_argument("--json", default=None, help="write the results as JSON to this file")
+    p.add_argument("--write-docs", default=None,
+                   help="put the results section in this markdown file (replacing its previous one)")
+    p.set_defaults(func=run)
+    return p
 
 
 def log(msg: str) -> None:
@@ -73,6 +93,7 @@ def free_port() -> int:
 
 def wait_until(pred, timeout_s: float, what: str, interval_s: float = 0.05):
     """Poll ``pred`` (HTTP errors count as "not yet") until it returns something truthy."""
+    import httpx    # not at the top: `sits --help` imports every benchmark module
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -99,6 +120,7 @@ def start_sits(args: list[str], timeout_s: float = 300.0, code_dir: str | None =
     url = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:
+        import httpx
         if proc.poll() is not None:
             raise RuntimeError(f"sits {args[0]} exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
         return httpx.get(url + "/ready", timeout=2).status_code == 200

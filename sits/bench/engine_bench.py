@@ -10,6 +10,7 @@ Results go to JSON, to a markdown section with the exact command, and to a PNG p
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -19,15 +20,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from sits.bench.common import add_bench_command, write_docs
 from sits.bench.common import log as _log
 from sits.bench.common import pct as _pct
-from sits.bench.common import write_docs
-from sits.engine.config import EngineConfig
-from sits.engine.llm_engine import LLMEngine
 from sits.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:    # torch and the engine load when the benchmark runs, not with `sits --help`
+    from sits.engine.llm_engine import LLMEngine
 
 DOC_BEGIN = "<!-- sits bench engine: begin -->"
 DOC_END = "<!-- sits bench engine: end -->"
@@ -67,15 +68,19 @@ class Hardware:
     def sync(self) -> None:
         """Wait for queued device work, so a timer read after it counts it (a no-op on CPU)."""
         if self.device.startswith("cuda"):
+            import torch
             torch.cuda.synchronize(self.device)
 
     def describe(self) -> str:
+        import torch
         if self.device.startswith("cuda"):
             return f"{torch.cuda.get_device_name(self.device)}, torch {torch.__version__}, {self.dtype}"
         return f"{os.cpu_count()} CPU cores, torch {torch.__version__}, {self.dtype}"
 
 
 def _engine(model: str, hw: Hardware, **kw) -> LLMEngine:
+    from sits.engine.config import EngineConfig
+    from sits.engine.llm_engine import LLMEngine
     cfg = EngineConfig(model=model, device=hw.device, dtype=hw.dtype, threads=hw.threads, **kw)
     return LLMEngine(cfg)
 
@@ -184,6 +189,7 @@ def _sits_decode(eng: LLMEngine, prompts: list[list[int]], out_len: int) -> floa
 
 
 def _hf_decode(hf, prompts: list[list[int]], out_len: int, batched: bool, pad_id: int, hw: Hardware) -> float:
+    import torch
     kw = dict(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=pad_id)
     dev = hw.device
     hw.sync()
@@ -351,6 +357,8 @@ def _markdown(result: dict, command: str, plot: str | None) -> str:
 def run_engine_bench(model: str, json_out: str | None = None, docs_out: str | None = None, quick: bool = False,
                      only: list[str] | None = None, threads: int | None = None, repeats: int | None = None,
                      device: str = "cpu", dtype: str = "float32") -> dict:
+    import torch
+
     from sits.engine.config import ModelConfig
     cfg = ModelConfig.from_dir(model)
     params = (cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
@@ -392,3 +400,22 @@ def run_engine_bench(model: str, json_out: str | None = None, docs_out: str | No
         _plot(result, plot_path)
         write_docs(docs, _markdown(result, command, os.path.relpath(plot_path, docs.parent)), DOC_BEGIN, DOC_END)
     return result
+
+
+def _cli(args: argparse.Namespace) -> int:
+    result = run_engine_bench(args.model, json_out=args.json, docs_out=args.write_docs, quick=args.quick,
+                              only=args.only, threads=args.threads, repeats=args.repeats, device=args.device,
+                              dtype=args.dtype)
+    print(json.dumps(result["summary"], indent=2))
+    return 0
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    p = add_bench_command(subparsers, "engine", "engine benchmarks: bursty fcfs vs pfsd, decode vs HF, prefix cache",
+                          _cli, threads="CPU threads, for the engine and the HF baseline alike",
+                          repeats="runs per figure, median reported (default: 3; 1 with --quick)")
+    p.add_argument("--quick", action="store_true", help="smaller workload (smoke run)")
+    p.add_argument("--only", choices=["bursty", "decode", "prefix"], action="append",
+                   help="run only this part (repeatable; default: all three)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto: the engine and the HF baseline alike")
+    p.add_argument("--dtype", default="float32", help="weights and KV cache, for both (float32, bfloat16, float16)")

@@ -13,23 +13,26 @@ Reported as medians over the rounds: ms per output token and request latency, as
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import time
+from typing import TYPE_CHECKING
 
-from sits.bench.common import log, pct, publish
-from sits.engine.config import EngineConfig
-from sits.engine.llm_engine import LLMEngine
+from sits.bench.common import add_bench_command, log, pct, publish
 from sits.engine.sampling_params import SamplingParams
-from sits.engine.tool_format import ToolSpec, tool_call_grammar
+
+if TYPE_CHECKING:    # torch, the engine and the grammar code load when the benchmark runs, not with `sits --help`
+    from sits.engine.llm_engine import LLMEngine
 
 DOC_BEGIN = "<!-- sits bench guided: begin -->"
 DOC_END = "<!-- sits bench guided: end -->"
-TOOLS = [
-    ToolSpec("get_weather", "Current weather for a city", {
+TOOLS = [   # ToolSpec arguments
+    ("get_weather", "Current weather for a city", {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
                                          "unit": {"enum": ["celsius", "fahrenheit"]}},
         "required": ["city", "unit"]}),
-    ToolSpec("search_flights", "Find flights between two airports", {
+    ("search_flights", "Find flights between two airports", {
         "type": "object", "properties": {"origin": {"type": "string", "pattern": "^[A-Z]{3}$"},
                                          "destination": {"type": "string", "pattern": "^[A-Z]{3}$"},
                                          "passengers": {"type": "integer", "minimum": 1, "maximum": 9}},
@@ -51,11 +54,16 @@ def _run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParam
 
 def run_guided_bench(model_dir: str, *, concurrency: int = 8, rounds: int = 3, max_tokens: int = 96,
                      threads: int | None = None, json_out: str | None = None, docs_out: str | None = None) -> dict:
+    from sits.engine.config import EngineConfig
+    from sits.engine.llm_engine import LLMEngine
+    from sits.engine.tool_format import ToolSpec, tool_call_grammar
+
+    tools = [ToolSpec(*t) for t in TOOLS]
     engine = LLMEngine(EngineConfig(model=model_dir, device="cpu", threads=threads, kv_cache_memory_mb=256))
     tok = engine.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
-                                                  tools=TOOLS)) for i in range(concurrency)]
-    grammar = tool_call_grammar(TOOLS, "required", parallel=False)
+                                                  tools=tools)) for i in range(concurrency)]
+    grammar = tool_call_grammar(tools, "required", parallel=False)
     guided = [SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, grammar=grammar) for i in range(concurrency)]
     runs: dict[str, list[dict]] = {"free": [], "guided": [], "guided+jf": []}
     _run(engine, prompts[:1], guided[:1])                      # first use: tokenizer view, grammar compile
@@ -106,3 +114,19 @@ def _markdown(r: dict, command: str) -> str:
         f"**{r['jump_forward_speedup']:.2f}x**",
         f"- guided + jump-forward vs free generation of the same number of tokens: "
         f"**{r['jf_vs_free_wall_ratio']:.2f}**", "", DOC_END])
+
+
+def _cli(args: argparse.Namespace) -> int:
+    r = run_guided_bench(args.model, concurrency=args.concurrency, rounds=args.rounds, max_tokens=args.max_tokens,
+                         threads=args.threads, json_out=args.json, docs_out=args.write_docs)
+    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}, indent=2))
+    return 0
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    p = add_bench_command(subparsers, "guided",
+                          "tool-call grammar: mask overhead vs free decoding, jump-forward on vs off", _cli,
+                          threads="CPU threads")
+    p.add_argument("--concurrency", type=int, default=8, help="tool-call requests run together")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of each variant, median reported")
+    p.add_argument("--max-tokens", type=int, default=96, help="tokens per request at most")

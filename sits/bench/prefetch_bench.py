@@ -7,15 +7,20 @@ With pre-warming, the call to A starts B's instance, which is ready (or nearly) 
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import httpx
+from sits.bench.common import (add_bench_command, bench_command, log, start_sits, stop_sits, wait_until, write_docs,
+                               write_json)
 
-from sits.bench.common import bench_command, log, start_sits, stop_sits, wait_until, write_docs, write_json
+if TYPE_CHECKING:
+    import httpx
 
 DOC_BEGIN = "<!-- sits bench prefetch: begin -->"
 DOC_END = "<!-- sits bench prefetch: end -->"
@@ -43,6 +48,7 @@ def one_gateway(model_dir: str, prefetch: bool, train: int, repeats: int, a_toke
         f"    resources: {res}\n")
     proc, url = start_sits(["up", "--config", str(work / "sits.yaml"), "--data-dir", str(work / "data")]
                            + ([] if prefetch else ["--no-prefetch"]))
+    import httpx    # not at the top: `sits --help` imports every benchmark module
     c = httpx.Client(base_url=url, timeout=600)
     out = []
     try:
@@ -83,3 +89,17 @@ def run_prefetch_bench(model_dir: str, *, train: int = 6, repeats: int = 5, a_to
                  f"on / off: **{r['ratio_on_vs_off']:.2f}**", "", DOC_END]
         write_docs(Path(docs_out), "\n".join(lines), DOC_BEGIN, DOC_END)
     return r
+
+
+def _cli(args: argparse.Namespace) -> int:
+    r = run_prefetch_bench(args.model, train=args.train, repeats=args.repeats, a_tokens=args.a_tokens,
+                           json_out=args.json, docs_out=args.write_docs)
+    print(json.dumps({k: v for k, v in r.items() if not k.endswith("_runs_ms")}, indent=2))
+    return 0
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    p = add_bench_command(subparsers, "prefetch", "two-unit chain: TTFT of the second call with pre-warming on vs off",
+                          _cli, repeats="chains measured, median reported", repeats_default=5)
+    p.add_argument("--train", type=int, default=6, help="chains run first so the gateway learns the chain")
+    p.add_argument("--a-tokens", type=int, default=32, help="tokens the first call streams")

@@ -17,6 +17,7 @@ a free port (a separate process, so the client never shares the server's GIL) an
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -27,9 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
-from sits.bench.common import bench_command, log, pct, start_sits, stop_sits, write_docs, write_json
+from sits.bench.common import add_bench_command, bench_command, log, pct, start_sits, stop_sits, write_docs, write_json
 
 DOC_BEGIN = "<!-- sits bench serve: begin -->"
 DOC_END = "<!-- sits bench serve: end -->"
@@ -140,6 +139,7 @@ class StreamClient:
     """
 
     def __init__(self, url: str):
+        import httpx    # not at the top: `sits --help` imports every benchmark module
         u = httpx.URL(url)
         self.host, self.port = u.host, u.port or 80
         self.protocol: _ResponseParser | None = None
@@ -352,6 +352,7 @@ def _markdown(result: dict, command: str, plot: str | None) -> str:
 
 
 def _warm(url: str, model: str | None, prompt_words: int, chat: bool, label: str) -> str:
+    import httpx
     models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
     name = model or models[0]["id"]
     log(f"[{label}] warming up {url} ({name})")
@@ -437,3 +438,49 @@ def run_serve_bench(*, url: str | None, model_dir: str | None, model: str | None
         _plot(modes, plot_path)
         write_docs(docs, _markdown(result, command, os.path.relpath(plot_path, docs.parent)), DOC_BEGIN, DOC_END)
     return result
+
+
+def _cli(args: argparse.Namespace) -> int:
+    server_args = []
+    if args.threads:
+        server_args += ["--threads", str(args.threads)]
+    if args.quick:
+        concurrency, repeats = [1, 8], args.repeats or 1
+    else:
+        concurrency, repeats = [int(c) for c in args.concurrency.split(",")], args.repeats or 3
+    result = run_serve_bench(url=args.url, model_dir=args.model, model=args.served_model, concurrency=concurrency,
+                             num_requests=args.requests, prompt_words=args.prompt_words, max_tokens=args.max_tokens,
+                             chat=not args.completions, repeats=repeats, json_out=args.json,
+                             docs_out=args.write_docs, engines=args.engine.split(","), server_args=server_args,
+                             baseline_args=args.baseline_args.split() if args.baseline_args else None,
+                             baseline_code=args.baseline_code)
+    levels = [lv for lvs in result["modes"].values() for lv in lvs]
+    print(json.dumps({mode: [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in lv.items()
+                              if k != "error_samples"} for lv in lvs] for mode, lvs in result["modes"].items()},
+                     indent=2))
+    return 1 if any(lv["errors"] for lv in levels) else 0
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    p = add_bench_command(subparsers, "serve",
+                          "concurrent streaming clients over HTTP; TTFT/ITL/e2e and server overhead", _cli,
+                          model=False, threads="server CPU threads, with --model",
+                          repeats="runs per level, median reported (default: 3)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="a running server (e.g. http://127.0.0.1:8000)")
+    where.add_argument("--model", help="model directory: start `sits serve` on it for the run")
+    p.add_argument("--served-model", default=None, help="model name to request (default: the first served)")
+    p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated stream counts")
+    p.add_argument("--requests", type=int, default=None, help="requests per level (default: max(16, 2*C))")
+    p.add_argument("--prompt-words", type=int, default=48, help="words per prompt")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per response at most")
+    p.add_argument("--completions", action="store_true", help="use /v1/completions instead of chat")
+    p.add_argument("--engine", default="process,thread",
+                   help="with --model: engine modes to sweep, comma-separated (two: an A/B)")
+    p.add_argument("--baseline-args", default=None,
+                   help="with --model: per engine mode, also a server with these arguments (e.g. --no-hot-path), "
+                        "measured in the same run, runs alternating; reported as ratios")
+    p.add_argument("--baseline-code", default=None, metavar="CHECKOUT",
+                   help="with --model: per engine mode, also a server running the sits package of another checkout "
+                        "(e.g. `git worktree add /tmp/old HEAD~1`): old vs new code in the same run")
+    p.add_argument("--quick", action="store_true", help="levels 1 and 8, one run (smoke)")

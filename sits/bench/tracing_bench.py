@@ -4,9 +4,11 @@ network), the same workload against both in one run, TTFT and server overhead as
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 
-from sits.bench.common import log, publish, start_sits, stop_sits
+from sits.bench.common import add_bench_command, log, publish, start_sits, stop_sits
 from sits.bench.serve_bench import sweep
 
 DOC_BEGIN = "<!-- sits bench tracing: begin -->"
@@ -61,3 +63,19 @@ def _markdown(r: dict, command: str) -> str:
                      f"{row['ttft_ratio']:.3f} | {row['overhead_p50_ms_off']:.2f} | {row['overhead_p50_ms_on']:.2f} |")
     lines += ["", DOC_END]
     return "\n".join(lines)
+
+
+def _cli(args: argparse.Namespace) -> int:
+    r = run_tracing_bench(args.model, concurrency=[int(c) for c in args.concurrency.split(",")],
+                          repeats=args.repeats, rounds=args.rounds, json_out=args.json, docs_out=args.write_docs,
+                          engine=args.engine)
+    print(json.dumps(r["table"], indent=2))
+    return 0
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    p = add_bench_command(subparsers, "tracing", "served TTFT with spans off vs every span recorded (same run)", _cli,
+                          repeats="runs per level and round", repeats_default=2)
+    p.add_argument("--concurrency", default="1,8", help="comma-separated stream counts")
+    p.add_argument("--rounds", type=int, default=2, help="off/on alternations (a fresh pair of servers each)")
+    p.add_argument("--engine", default="process", choices=["process", "thread"], help="the servers' engine mode")

@@ -1,0 +1,15 @@
+"""``sits bench``: each benchmark module adds its own subcommand (``register_cli``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from sits.bench import coldstart_bench, engine_bench, guided_bench, prefetch_bench, serve_bench, tracing_bench
+
+BENCHMARKS = (engine_bench, coldstart_bench, tracing_bench, guided_bench, prefetch_bench, serve_bench)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    for module in BENCHMARKS:
+        module.register_cli(bench)
