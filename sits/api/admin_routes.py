@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Request
 from sits.api.context import context_of
 from sits.api.control_routes import unit_or_404
 from sits.api.edge import keys_match
-from sits.api.errors import AuthenticationError, ErrorResponse
+from sits.api.errors import AuthenticationError, error_docs
 from sits.engine.errors import SitsError
 from sits.faults import FaultsSpec
 from sits.observe.tracing import spans_as_dicts
@@ -39,11 +39,11 @@ def require_admin(request: Request) -> None:
                                   code="invalid_admin_key")
 
 
-ERRORS: dict[int | str, dict[str, Any]] = {
-    401: {"model": ErrorResponse, "description": "missing or wrong admin key"},
-    403: {"model": ErrorResponse, "description": "admin endpoints are off (no admin key configured)"},
-    404: {"model": ErrorResponse, "description": "no such unit"},
-}
+ERRORS = error_docs({
+    401: "missing or wrong admin key",
+    403: "admin endpoints are off (no admin key configured)",
+    404: "no such unit",
+})
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)], responses=ERRORS)
 
 

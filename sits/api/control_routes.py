@@ -12,18 +12,18 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from sits.api.errors import ErrorResponse, clip
+from sits.api.errors import clip, error_docs
 from sits.engine.errors import SitsError
 from sits.runtime.gateway import Gateway
 from sits.runtime.unit_spec import UnitSpec
 
 router = APIRouter(tags=["control"])
 
-ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "invalid unit spec"},
-    401: {"model": ErrorResponse, "description": "missing or wrong API key"},
-    404: {"model": ErrorResponse, "description": "no such unit"},
-}
+ERRORS = error_docs({
+    400: "invalid unit spec",
+    401: "missing or wrong API key",
+    404: "no such unit",
+})
 
 
 class UnitNotFoundError(SitsError):

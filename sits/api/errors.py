@@ -39,6 +39,11 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+def error_docs(descriptions: dict[int, str]) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for a router: each status with the OpenAI error body and what it means here."""
+    return {status: {"model": ErrorResponse, "description": text} for status, text in descriptions.items()}
+
+
 class ModelNotFoundError(SitsError):
     code = "model_not_found"
     http_status = 404

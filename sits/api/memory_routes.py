@@ -13,17 +13,17 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sits.api.context import context_of
-from sits.api.errors import ErrorResponse
+from sits.api.errors import error_docs
 from sits.engine.errors import InvalidRequestError
 from sits.engine.tokenizer import check_text
 from sits.memory.vectors import SET_NAME, MemoryNotFoundError, MemoryStore, memory_id, off_loop
 
 router = APIRouter(tags=["memory"])
-ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "invalid request"},
-    401: {"model": ErrorResponse, "description": "missing or wrong API key"},
-    404: {"model": ErrorResponse, "description": "no such memory, snapshot or response; or no memory kept"},
-}
+ERRORS = error_docs({
+    400: "invalid request",
+    401: "missing or wrong API key",
+    404: "no such memory, snapshot or response; or no memory kept",
+})
 SetName = Path(..., pattern=SET_NAME, description="a memory set: lowercase letters, digits, '.', '_', '-'")
 
 

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 
 from sits.api.backend import Backend
 from sits.api.context import accepted_at, context_of, new_request_id
-from sits.api.errors import ErrorResponse, error_response, sits_error_as_dict
+from sits.api.errors import error_docs, error_response, sits_error_as_dict
 from sits.api.generation import ChoiceResult, Generation
 from sits.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                CompletionResponse, ModelCard, ModelList)
@@ -36,14 +36,14 @@ from sits.observe import genai, tracing
 
 router = APIRouter()
 
-ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "invalid request (OpenAI error body)"},
-    401: {"model": ErrorResponse, "description": "missing or wrong API key"},
-    404: {"model": ErrorResponse, "description": "unknown model"},
-    409: {"model": ErrorResponse, "description": "conflict"},
-    413: {"model": ErrorResponse, "description": "request body too large"},
-    503: {"model": ErrorResponse, "description": "not ready or shutting down"},
-}
+ERRORS = error_docs({
+    400: "invalid request (OpenAI error body)",
+    401: "missing or wrong API key",
+    404: "unknown model",
+    409: "conflict",
+    413: "request body too large",
+    503: "not ready or shutting down",
+})
 STREAM_DOC = {"content": {"text/event-stream": {"schema": {"type": "string"},
                                                 "description": "with stream=true: SSE chunks, then data: [DONE]"}}}
 

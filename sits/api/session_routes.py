@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from sits.api.context import ServerContext, context_of
-from sits.api.errors import ErrorResponse, clip
+from sits.api.errors import clip, error_docs
 from sits.engine.errors import SitsError
 from sits.engine.tokenizer import check_text
 from sits.memory.sessions import SessionStore, with_history
@@ -57,10 +57,10 @@ class SessionTurn:
         return {"x-session-id": self.session_id}
 
 
-ERRORS: dict[int | str, dict[str, Any]] = {
-    401: {"model": ErrorResponse, "description": "missing or wrong API key"},
-    404: {"model": ErrorResponse, "description": "no such session, or this server keeps none"},
-}
+ERRORS = error_docs({
+    401: "missing or wrong API key",
+    404: "no such session, or this server keeps none",
+})
 
 
 def _store(request: Request) -> SessionStore:

@@ -12,14 +12,13 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from sits.api.backend import Backend
 from sits.api.context import ServerContext, accepted_at, context_of, new_request_id
-from sits.api.errors import ConflictError, ErrorResponse, ModelNotFoundError, RequestNotFoundError, clip
+from sits.api.errors import ConflictError, ModelNotFoundError, RequestNotFoundError, clip, error_docs
 from sits.api.generation import Generation
 from sits.api.lifecycle import RequestState
 from sits.api.protocol import SitsRequest, SitsRequestView
@@ -38,14 +37,14 @@ from sits.observe import genai, tracing
 log = logging.getLogger("sits.api")
 router = APIRouter(tags=["sits"])
 
-ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "invalid request body"},
-    401: {"model": ErrorResponse, "description": "missing or wrong API key"},
-    404: {"model": ErrorResponse, "description": "no such request"},
-    409: {"model": ErrorResponse, "description": "the request is already terminal"},
-    413: {"model": ErrorResponse, "description": "request body too large"},
-    429: {"model": ErrorResponse, "description": "too many unfinished requests"},
-}
+ERRORS = error_docs({
+    400: "invalid request body",
+    401: "missing or wrong API key",
+    404: "no such request",
+    409: "the request is already terminal",
+    413: "request body too large",
+    429: "too many unfinished requests",
+})
 
 
 def _store(request: Request) -> RequestStore:

@@ -65,12 +65,19 @@ def write_json(path: str | Path | None, obj) -> None:
 
 
 def publish(result: dict, name: str, markdown, begin: str, end: str, json_out: str | None,
-            docs_out: str | None) -> dict:
+            docs_out: str | None, plot=None) -> dict:
     """A finished benchmark's result to its JSON file and its docs section (``markdown(result,
-    command)``), where asked; returns the result."""
+    command)``, or with ``plot(result, path)``: ``markdown(result, command, the plot's relative
+    path)``, the plot in ``img/<name>_bench.png`` beside the docs), where asked; returns the result."""
     write_json(json_out, result)
     if docs_out:
-        write_docs(Path(docs_out), markdown(result, bench_command(name)), begin, end)
+        docs = Path(docs_out)
+        args = [result, bench_command(name)]
+        if plot is not None:
+            path = docs.parent / "img" / f"{name}_bench.png"
+            plot(result, path)
+            args.append(os.path.relpath(path, docs.parent))
+        write_docs(docs, markdown(*args), begin, end)
     return result
 
 

@@ -16,13 +16,12 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sits.bench.common import add_bench_command, write_docs
+from sits.bench.common import add_bench_command, publish
 from sits.bench.common import log as _log
 from sits.bench.common import pct as _pct
 from sits.engine.sampling_params import SamplingParams
@@ -388,18 +387,7 @@ def run_engine_bench(model: str, json_out: str | None = None, docs_out: str | No
     if "prefix" in result:
         summary["prefix"] = result["prefix"]
     result["summary"] = summary
-    command = "sits bench engine " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "engine"] else \
-        f"sits bench engine --model {model}"
-    if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps({k: v for k, v in result.items() if k != "summary"} | {"summary": summary},
-                                             indent=2))
-    if docs_out:
-        docs = Path(docs_out)
-        plot_path = docs.parent / "img" / "engine_bench.png"
-        _plot(result, plot_path)
-        write_docs(docs, _markdown(result, command, os.path.relpath(plot_path, docs.parent)), DOC_BEGIN, DOC_END)
-    return result
+    return publish(result, "engine", _markdown, DOC_BEGIN, DOC_END, json_out, docs_out, plot=_plot)
 
 
 def _cli(args: argparse.Namespace) -> int:

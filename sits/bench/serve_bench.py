@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sits.bench.common import add_bench_command, bench_command, log, pct, start_sits, stop_sits, write_docs, write_json
+from sits.bench.common import add_bench_command, log, pct, publish, start_sits, stop_sits
 
 DOC_BEGIN = "<!-- sits bench serve: begin -->"
 DOC_END = "<!-- sits bench serve: end -->"
@@ -430,14 +430,8 @@ def run_serve_bench(*, url: str | None, model_dir: str | None, model: str | None
     result = {"url": url, "model": model_dir or name, "endpoint": "/v1/chat/completions" if chat else "/v1/completions",
               "prompt_words": prompt_words, "max_tokens": max_tokens, "repeats": repeats, "modes": modes,
               "baselines": baselines, "host": f"{os.cpu_count()} CPU cores, client and server on the same host"}
-    command = bench_command("serve")
-    write_json(json_out, result)
-    if docs_out:
-        docs = Path(docs_out)
-        plot_path = docs.parent / "img" / "serve_bench.png"
-        _plot(modes, plot_path)
-        write_docs(docs, _markdown(result, command, os.path.relpath(plot_path, docs.parent)), DOC_BEGIN, DOC_END)
-    return result
+    return publish(result, "serve", _markdown, DOC_BEGIN, DOC_END, json_out, docs_out,
+                   plot=lambda r, path: _plot(r["modes"], path))
 
 
 def _cli(args: argparse.Namespace) -> int:

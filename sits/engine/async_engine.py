@@ -27,6 +27,18 @@ from sits.engine.sampling_params import SamplingParams
 log = logging.getLogger("sits.engine")
 
 
+async def events_until_finished(queue: asyncio.Queue) -> AsyncIterator[TokenEvent]:
+    """A request's token events from its queue, until (and including) the finished one; an exception
+    put on the queue (the request failed, or its engine died) is raised."""
+    while True:
+        item = await queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+        if item.finished:
+            return
+
+
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -78,14 +90,9 @@ class AsyncEngine:
         self._send(req)
         finished = False
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+            async for ev in events_until_finished(stream.queue):
+                yield ev
+                finished = ev.finished
         finally:
             if self._streams.get(req.request_id) is stream:
                 del self._streams[req.request_id]

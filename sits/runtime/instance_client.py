@@ -23,6 +23,7 @@ from dataclasses import asdict
 
 import numpy as np
 
+from sits.engine.async_engine import events_until_finished
 from sits.engine.config import EngineConfig
 from sits.engine.errors import DuplicateRequestError, EngineDeadError, ModelLoadError, RequestAbortedError, SitsError
 from sits.engine.messages import (AbortRequest, EmbedRequest, Embedded, EngineInput, EngineRequest, EngineStats, Fatal,
@@ -161,14 +162,9 @@ class InstanceBackend:
         self._send(req)
         finished = False
         try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+            async for ev in events_until_finished(q):
+                yield ev
+                finished = ev.finished
         finally:
             if self._streams.get(rid) is q:
                 del self._streams[rid]
