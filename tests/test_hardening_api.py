@@ -24,7 +24,7 @@ from conftest import start_server
 from sits.api.app import create_app
 from sits.api.backend import BackendRegistry
 from sits.api.context import ServerSettings
-from sits.api.webhooks import is_private_address, public_address, validate_callback_url
+from sits.api.sits.webhooks import is_private_address, public_address, validate_callback_url
 from sits.engine.errors import InvalidRequestError
 from sits.engine.guided import vocabulary_for
 from sits.engine.tokenizer import Tokenizer

@@ -15,7 +15,7 @@ from starlette.routing import Route
 
 from conftest import start_server
 from sits.api.context import ServerSettings
-from sits.api.webhooks import verify
+from sits.api.sits.webhooks import verify
 
 SECRET = "s3cret"
 
@@ -258,12 +258,12 @@ def test_finished_requests_are_dropped_after_retention(serve_tiny):
 def test_callback_addresses_that_are_not_public(address, private):
     import ipaddress
 
-    from sits.api.webhooks import is_private_address
+    from sits.api.sits.webhooks import is_private_address
     assert is_private_address(ipaddress.ip_address(address)) is private
 
 
 def test_deliveries_connect_to_the_checked_address():
-    from sits.api.webhooks import _pinned
+    from sits.api.sits.webhooks import _pinned
     assert _pinned("https://hooks.example.com:8443/x?y=1", "93.184.216.34") == (
         "https://93.184.216.34:8443/x?y=1", {"host": "hooks.example.com:8443"}, {"sni_hostname": "hooks.example.com"})
     assert _pinned("http://h.example/x", "2606:4700::1111")[0] == "http://[2606:4700::1111]/x"

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from sits.api.lifecycle import TRANSITIONS, IllegalTransitionError, RequestLifecycle, RequestState
+from sits.api.sits.lifecycle import TRANSITIONS, IllegalTransitionError, RequestLifecycle, RequestState
 
 S = RequestState
 LEGAL_PATHS = [

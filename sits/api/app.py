@@ -18,17 +18,22 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sits import __version__
-from sits.api import embedding_routes, memory_routes, openai_routes, session_routes, sits_routes, tool_routes
+from sits.api import session_routes
 from sits.api.backend import BackendRegistry
 from sits.api.context import ServerContext, ServerSettings
 from sits.api.edge import EdgeMiddleware
 from sits.api.errors import install_error_handlers
 from sits.api.hot_path import HotRoutes
 from sits.api.metrics import CONTENT_TYPE, ServerMetrics
-from sits.api.request_store import RequestStore
-from sits.api.webhooks import WebhookDispatcher
+from sits.api.openai import embedding_routes
+from sits.api.openai import routes as openai_routes
+from sits.api.sits import memory_routes, tool_routes
+from sits.api.sits import routes as sits_routes
+from sits.api.sits.request_store import RequestStore
+from sits.api.sits.webhooks import WebhookDispatcher
 from sits.observe.otel_metrics import GenAiMetrics
 from sits.observe.tracing import Tracing
 from sits.engine.errors import SitsError
@@ -48,9 +53,9 @@ class SitsApp(FastAPI):
     """FastAPI entered through the edge: every HTTP request meets ``entry`` (the edge, then the
     generation endpoints' hot path) first, and reaches FastAPI's own stack only when it needs it."""
 
-    entry = None
+    entry: ASGIApp | None = None
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self.entry is None:
             return await super().__call__(scope, receive, send)
         scope["app"] = self            # as Starlette does: routes find app.state through the request

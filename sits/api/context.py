@@ -51,7 +51,7 @@ class ServerContext:
     inflight: InflightRegistry = field(default_factory=InflightRegistry)
     started_at: float = field(default_factory=time.time)
     draining: bool = False
-    store: object | None = None             # sits.api.request_store.RequestStore, set by create_app
+    store: object | None = None             # sits.api.sits.request_store.RequestStore, set by create_app
     tracing: object | None = None           # sits.observe.tracing.Tracing, set by create_app
     sessions: object | None = None          # sits.memory.sessions.SessionStore, set by create_app
     tools: object | None = None             # sits.tools.ToolRegistry, set by create_app

@@ -18,9 +18,12 @@ import time
 import uuid
 from collections.abc import Callable
 
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from sits.api.errors import error_body, internal_error_response
 from sits.memory.sessions import INVALID_SESSION_ID, valid_session_id
 from sits.observe import genai
+from sits.observe.tracing import Scope as TraceScope
 from sits.observe.tracing import close, current_scope, mark_failed, stage
 from sits.runtime.hints import RequestHints, current_hints
 
@@ -32,7 +35,8 @@ _LEVEL_BY_PATH = {"/v1/chat/completions": "L2", "/v1/completions": "L2", "/v1/re
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/docs", "/openapi.json", "/redoc")
 
 
-def _json(status: int, message: str, code: str, extra_headers: list[tuple[bytes, bytes]] | None = None):
+def _json(status: int, message: str, code: str,
+          extra_headers: list[tuple[bytes, bytes]] | None = None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     body = json.dumps(error_body(message, status, code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     return status, headers + (extra_headers or []), body
@@ -48,7 +52,7 @@ def keys_match(presented: str, keys: tuple[str, ...]) -> bool:
 
 
 class EdgeMiddleware:
-    def __init__(self, app, *, api_keys: Callable[[], tuple[str, ...]], max_body_bytes: Callable[[], int],
+    def __init__(self, app: ASGIApp, *, api_keys: Callable[[], tuple[str, ...]], max_body_bytes: Callable[[], int],
                  draining: Callable[[], bool], body_timeout_s: Callable[[], float] = lambda: 30.0,
                  tracing: Callable[[], object | None] = lambda: None):
         self.app = app
@@ -58,7 +62,7 @@ class EdgeMiddleware:
         self.draining = draining
         self.body_timeout_s = body_timeout_s
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         t0 = time.monotonic()
@@ -114,10 +118,13 @@ class EdgeMiddleware:
                     mark_failed(str(status), root)
                 close(root)       # on the same monotonic timeline as every stage (the wall clock may step)
 
-    async def _handle(self, scope, receive, send, headers, t0, extra_headers, path, method, status_seen, root):
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, headers: dict[bytes, bytes], t0: float,
+                      extra_headers: list[tuple[bytes, bytes]], path: str, method: str, status_seen: list[int],
+                      root: TraceScope | None) -> None:
         rid_headers = list(extra_headers)
 
-        async def reply(status: int, message: str, code: str, extra=None) -> None:
+        async def reply(status: int, message: str, code: str,
+                        extra: list[tuple[bytes, bytes]] | None = None) -> None:
             st, hs, body = _json(status, message, code, extra)
             status_seen.append(st)
             await send({"type": "http.response.start", "status": st, "headers": hs + rid_headers})
@@ -175,7 +182,7 @@ class EdgeMiddleware:
             root.marks["accepted"] = now = time.monotonic()
             stage("gateway.accept", t0, now, level="L1")
 
-        async def send_with_headers(message):
+        async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status_seen.append(message.get("status", 200))
                 hs = list(message.get("headers", []))
@@ -189,7 +196,7 @@ class EdgeMiddleware:
         await self.app(scope, receive, send_with_headers)
 
     @staticmethod
-    async def _read_body(receive, limit: int) -> bytes:
+    async def _read_body(receive: Receive, limit: int) -> bytes:
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -212,10 +219,10 @@ class _Disconnected(Exception):
     pass
 
 
-def _replay(body: bytes, receive):
+def _replay(body: bytes, receive: Receive) -> Receive:
     sent = False
 
-    async def replay():
+    async def replay() -> Message:
         nonlocal sent
         if not sent:
             sent = True

@@ -19,10 +19,11 @@ from collections.abc import Awaitable, Callable
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sits.api import openai_routes
 from sits.api.errors import (UNPARSABLE_BODY, error_body, internal_error_response, sits_error_response,
                              validation_error_response)
+from sits.api.openai import routes as openai_routes
 from sits.api.protocol import ChatCompletionRequest, CompletionRequest
 from sits.engine.errors import SitsError
 
@@ -44,11 +45,11 @@ class HotRoutes:
     keys and limits, and adds ``x-request-id`` / ``server-timing`` to whatever is answered here.
     """
 
-    def __init__(self, fallback, enabled: Callable[[], bool] = lambda: True):
+    def __init__(self, fallback: ASGIApp, enabled: Callable[[], bool] = lambda: True):
         self.fallback = fallback
         self.enabled = enabled
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = ROUTES.get((scope.get("method", ""), scope.get("path", ""))) if scope["type"] == "http" else None
         body = scope.get("state", {}).get("sits_body")
         if route is None or body is None or not self.enabled():

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from sits.api.lifecycle import LifecycleEvent
+from sits.api.sits.lifecycle import LifecycleEvent
 from sits.engine.messages import EngineStats, TokenEvent
 from sits.observe.genai import DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
 from sits.observe.otel_metrics import GenAiMetrics

@@ -19,7 +19,7 @@ from typing import Any
 from sits.api.backend import Backend
 from sits.api.context import ServerContext
 from sits.api.generation import Generation
-from sits.api.request_store import TrackedRequest
+from sits.api.sits.request_store import TrackedRequest
 from sits.engine.sampling_params import SamplingParams
 from sits.engine.tool_format import ToolCall, ToolSpec, parse_tool_calls, prose_grammar, tool_call_grammar
 from sits.observe import genai, tracing

@@ -20,8 +20,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from sits.api.lifecycle import LifecycleEvent
 from sits.api.metrics import ServerMetrics
+from sits.api.sits.lifecycle import LifecycleEvent
 from sits.engine.errors import InvalidRequestError
 from sits.observe import tracing
 

@@ -20,14 +20,14 @@ from sits.api.backend import Backend
 from sits.api.context import ServerContext, accepted_at, context_of, new_request_id
 from sits.api.errors import ConflictError, ModelNotFoundError, RequestNotFoundError, clip, error_docs
 from sits.api.generation import Generation
-from sits.api.lifecycle import RequestState
 from sits.api.protocol import SitsRequest, SitsRequestView
-from sits.api.request_store import RequestStore, TrackedRequest
 from sits.api.retrieval import last_user_text, recall, with_context
 from sits.api.session_routes import SessionTurn
-from sits.api.tool_loop import ToolLoop
+from sits.api.sits.lifecycle import RequestState
+from sits.api.sits.request_store import RequestStore, TrackedRequest
+from sits.api.sits.tool_loop import ToolLoop
+from sits.api.sits.webhooks import WebhookDispatcher, validate_callback_url
 from sits.api.sse import SSE_KEEPALIVE, SSEResponse, sse_event
-from sits.api.webhooks import WebhookDispatcher, validate_callback_url
 from sits.engine.errors import InvalidRequestError, SitsError
 from sits.engine.sampling_params import SamplingParams
 from sits.memory.vectors import off_loop

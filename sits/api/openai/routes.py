@@ -22,11 +22,11 @@ from sits.api.backend import Backend
 from sits.api.context import accepted_at, context_of, new_request_id
 from sits.api.errors import error_docs, error_response, sits_error_as_dict
 from sits.api.generation import ChoiceResult, Generation
+from sits.api.openai.structured import Guidance, ToolCallStream, assistant_message, chat_guidance
 from sits.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                CompletionResponse, ModelCard, ModelList)
 from sits.api.retrieval import last_user_text, recall, with_context
 from sits.api.session_routes import SessionTurn
-from sits.api.structured import Guidance, ToolCallStream, assistant_message, chat_guidance
 from sits.api.sse import SSE_DONE, ClientDisconnected, SSEResponse, sse_data, until_disconnect
 from sits.engine.errors import ContextLengthExceededError, InvalidRequestError, SitsError
 from sits.engine.messages import TokenEvent

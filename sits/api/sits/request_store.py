@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sits.api.errors import RequestNotFoundError
-from sits.api.lifecycle import LifecycleEvent, RequestLifecycle, RequestState, Subscriber
+from sits.api.sits.lifecycle import LifecycleEvent, RequestLifecycle, RequestState, Subscriber
 from sits.engine.errors import SitsError
 
 
