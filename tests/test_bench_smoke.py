@@ -87,3 +87,22 @@ def test_guided_bench_compares_free_guided_and_jump_forward(tiny_model_dir, tmp_
     assert r["free_ms_per_token"] > 0 and r["guided_ms_per_token"] > 0 and r["jf_wall_s"] > 0
     assert json.loads((tmp_path / "g.json").read_text())["jump_forward_speedup"] == r["jump_forward_speedup"]
     assert docs.read_text().count(G_BEGIN) == 1
+
+
+def test_sampler_bench_runs_every_variant_in_its_own_process(tmp_path):
+    """`sits bench sampler`: the heap and mmap variants (and an old checkout, here this one) each
+    measure every case; the docs section carries the table and the plot."""
+    from pathlib import Path
+
+    from sits.bench import sampler_bench
+    checkout = str(Path(sampler_bench.__file__).resolve().parents[2])
+    docs = tmp_path / "benchmarks.md"
+    r = sampler_bench.run_sampler_bench(batch=4, vocab=2048, rounds=1, seconds=0.01, baseline_code=checkout,
+                                        docs_out=str(docs))
+    assert r["variants"][:2] == ["heap", "mmap"] and len(r["variants"]) == 3
+    for variant in r["variants"]:
+        assert set(r["median_us"][variant]) == set(sampler_bench.CASES)
+        assert all(us > 0 for us in r["median_us"][variant].values())
+    text = docs.read_text()
+    assert text.count(sampler_bench.DOC_BEGIN) == 1 and "mmap / heap" in text
+    assert (tmp_path / "img" / "sampler_bench.png").stat().st_size > 1000

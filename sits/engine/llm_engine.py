@@ -18,6 +18,7 @@ import torch
 from sits.engine.block_pool import BlockPool
 from sits.engine.cold_start import ColdStartReport, process_age_s
 from sits.engine.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from sits.engine.host_memory import keep_step_buffers_in_heap
 from sits.engine.detokenizer import IncrementalDetokenizer
 from sits.engine.errors import EngineStepError, InvalidRequestError, NonFiniteLogitsError, SitsError
 from sits.engine.guided import vocabulary_for
@@ -84,6 +85,7 @@ class LLMEngine:
         self.threads = cfg.threads or os.cpu_count() or 1
         if self.device.type == "cpu":
             torch.set_num_threads(self.threads)
+            keep_step_buffers_in_heap()
         if preloaded is not None and not preloaded.fits(cfg, self.device):
             preloaded = None
         with self.report.phase("config"):

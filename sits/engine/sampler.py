@@ -133,23 +133,24 @@ class Sampler:
         if len(random_rows) == len(params):
             tokens, ok = self._sample_random(processed, params, generators)
         else:
-            tokens = processed.argmax(dim=-1)
-            # argmax picks a NaN if the row has one, and any id of a row that is all -inf
-            ok = ~torch.isnan(chosen := processed.gather(1, tokens.unsqueeze(1)).squeeze(1)) & (chosen > float("-inf"))
+            best, tokens = processed.max(dim=-1)
+            ok = best > float("-inf")       # false for a NaN (max propagates it) and an all -inf row
             if random_rows:
                 row_index = torch.tensor(random_rows, dtype=torch.long, device=raw.device)
                 tokens[row_index], ok[row_index] = self._sample_random(processed[row_index],
                                                                        [params[i] for i in random_rows],
                                                                        [generators[i] for i in random_rows])
-        ok &= (tokens >= 0) & (tokens < processed.shape[1])
-        tokens = torch.where(ok, tokens, 0)
-        token_ids, ok_rows = torch.stack((tokens, ok.long())).tolist()     # one device-to-host copy
-        result = SampleResult(token_ids=token_ids, failed_rows=[i for i, good in enumerate(ok_rows) if not good])
+        token_ids = torch.where(ok, tokens, -1).tolist()       # one device-to-host copy; -1 marks a failed row
+        failed_rows = [i for i, token in enumerate(token_ids) if token < 0]
+        for i in failed_rows:
+            token_ids[i] = 0
+        result = SampleResult(token_ids=token_ids, failed_rows=failed_rows)
 
         wanted = [p.logprobs for p in params]
         if any(n is not None for n in wanted):
             logprobs = torch.log_softmax(raw, dim=-1)
-            result.logprobs = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+            chosen = torch.tensor(token_ids, dtype=torch.long, device=raw.device).unsqueeze(1)
+            result.logprobs = logprobs.gather(1, chosen).squeeze(1).tolist()
             top_n = min(max(n or 0 for n in wanted), raw.shape[1])
             if top_n > 0:
                 values, ids = logprobs.topk(top_n, dim=-1, sorted=True)
@@ -180,9 +181,10 @@ class Sampler:
                  for gen in (g if g is not None else self._default_generator for g in generators)]
         # 1 - U[0, 1) lies in (0, 1]: the target is above 0 and at most the total mass, so the
         # search lands on a token with nonzero probability (a flat stretch of the CDF never wins).
+        # A row with a finite, positive mass draws an id inside the vocabulary; NaN fails both tests.
         total = cdf[:, -1:]
         targets = (1.0 - torch.cat([d.to(device) for d in draws])).unsqueeze(1) * total
-        ok = (torch.isfinite(total) & (total > 0)).squeeze(1)
+        ok = ((total > 0) & (total < float("inf"))).squeeze(1)
         return torch.searchsorted(cdf, targets).squeeze(1), ok
 
 
