@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from sits.engine.core import EngineCore
+from sits.engine.errors import ContextLengthExceededError, InvalidRequestError
 from sits.engine.messages import (AbortRequest, EmbedRequest, Embedded, EngineRequest, EngineStats, FaultDirectives,
                                   Ping, Pong, RequestError, StepOutput)
 from sits.engine.sampling_params import SamplingParams
@@ -46,12 +47,15 @@ def test_refusals_and_failures_come_back_as_request_errors(make_engine):
     engine = make_engine()
     core = EngineCore(engine)
     ok = engine.make_request([1, 2], SamplingParams(max_tokens=2, **GREEDY), request_id="x")
-    # a front end validated against looser limits (a gateway): the core checks its own
-    too_long = EngineRequest("long", [1] * (engine.max_model_len + 1), SamplingParams(max_tokens=1))
-    bad_id = EngineRequest("oov", [engine.model_config.vocab_size], SamplingParams(max_tokens=1))
-    tokens, other = run(core, ok, ok, too_long, bad_id)
+    # input is validated once, by the front end holding the engine's limits (here make_request);
+    # the core refuses what only it can know: an id already in use
+    with pytest.raises(ContextLengthExceededError):
+        engine.make_request([1] * (engine.max_model_len + 1), SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        engine.make_request([engine.model_config.vocab_size], SamplingParams(max_tokens=1))
+    tokens, other = run(core, ok, ok)
     errors = {e.request_id: e.code for e in other}
-    assert errors == {"x": "duplicate_request_id", "long": "context_length_exceeded", "oov": "invalid_token_id"}
+    assert errors == {"x": "duplicate_request_id"}
     assert all(isinstance(e, RequestError) and 400 <= e.http_status < 500 for e in other)
     assert len(tokens["x"]) == 2
 

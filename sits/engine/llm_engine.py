@@ -22,11 +22,11 @@ from sits.engine.host_memory import keep_step_buffers_in_heap
 from sits.engine.detokenizer import IncrementalDetokenizer
 from sits.engine.errors import EngineStepError, InvalidRequestError, NonFiniteLogitsError, SitsError
 from sits.engine.guided import vocabulary_for
-from sits.engine.kv_cache import KVCache, bytes_per_block
+from sits.engine.kv_cache import KVCache
 from sits.engine.loader import load_model
 from sits.engine.messages import EngineRequest, EngineStats, TokenEvent
 from sits.engine.model_runner import ModelRunner
-from sits.engine.request_validator import RequestValidator
+from sits.engine.request_validator import RequestValidator, plan_limits
 from sits.engine.sampler import Sampler
 from sits.engine.sampling_params import SamplingParams
 from sits.engine.scheduler import ScheduledBatch, Scheduler
@@ -90,8 +90,8 @@ class LLMEngine:
             preloaded = None
         with self.report.phase("config"):
             self.model_config = preloaded.model_config if preloaded else ModelConfig.from_dir(cfg.model)
-            self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
-                                     self.model_config.max_position_embeddings)
+            self.limits = plan_limits(cfg, self.model_config)
+            self.max_model_len = self.limits.max_model_len
         self.inherited_weights = preloaded is not None
         with self.report.phase("weights"):
             self.model = preloaded.model if preloaded else load_model(cfg.model, self.model_config, self.device,
@@ -99,14 +99,11 @@ class LLMEngine:
         with self.report.phase("tokenizer"):
             self.tokenizer = preloaded.tokenizer if preloaded else Tokenizer.from_dir(cfg.model)
         with self.report.phase("kv_allocation"):
-            per_block = bytes_per_block(self.model_config, cfg.block_size, self.dtype)
-            num_blocks = cfg.num_kv_blocks or max(1, cfg.kv_cache_memory_mb * 2**20 // per_block)
+            num_blocks = self.limits.num_kv_blocks
             self.kv_cache = KVCache(self.model_config, num_blocks, cfg.block_size, self.device, self.dtype,
                                     touch=cfg.kv_touch)
             self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.validator = RequestValidator(self.tokenizer, vocab_size=self.model_config.vocab_size,
-                                          max_model_len=self.max_model_len, block_size=cfg.block_size,
-                                          num_kv_blocks=num_blocks)
+        self.validator = RequestValidator(self.tokenizer, self.limits)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.scheduler = Scheduler(cfg, self.pool, self.max_model_len)
         self.sampler = Sampler(default_seed=cfg.seed)
@@ -131,10 +128,10 @@ class LLMEngine:
         return EngineRequest(request_id or f"req-{next(self._ids)}", ids, params, priority, interactive)
 
     def add(self, req: EngineRequest) -> Sequence:
-        """Queue a request; the engine's own ``Sequence`` for it is returned. Its token ids are checked
-        against this engine's limits here too: a front end may have validated against looser ones
-        (a gateway does not know an instance's KV pool)."""
-        ids = self.validator.prompt_ids(req.prompt_token_ids, req.params, req.priority)
+        """Queue a request; the engine's own ``Sequence`` for it is returned. ``req`` was validated by
+        its front end against this engine's ``limits`` (``make_request``, or a front end holding the
+        same limits: see ``request_validator``); it is not checked again here."""
+        ids = req.prompt_token_ids
         seq = Sequence(req.request_id, ids, req.params, priority=req.priority, interactive=req.interactive,
                        arrival_time=req.arrival_time)
         if req.params.seed is not None:

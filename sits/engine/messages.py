@@ -18,6 +18,27 @@ from sits.engine.errors import SitsError
 from sits.engine.sampling_params import SamplingParams
 
 
+# -- limits ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """What an engine can take: the numbers a request is validated against, once, in its front end.
+
+    A front end in another process learns them from the instance's ``Ready``; a gateway plans them
+    from the unit's config before any instance runs (``request_validator.plan_limits``, the same
+    function the engine sizes itself with) and checks each instance's ``Ready`` against them.
+    """
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Prompt plus output of one request can never exceed this (the whole KV pool)."""
+        return self.block_size * self.num_kv_blocks
+
+
 # -- inputs ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
@@ -180,10 +201,7 @@ class Ready:
     """The engine is loaded: the limits a front end validates requests against, and the cold start."""
 
     pid: int
-    max_model_len: int
-    vocab_size: int
-    block_size: int
-    num_kv_blocks: int
+    limits: EngineLimits
     cold_start: dict
     inherited_weights: bool
 

@@ -1,30 +1,51 @@
-"""Input checks for one request, shared by the engine and by any front end that queues to it.
+"""Input checks for one request, made once, in the front end, against the engine's real limits.
 
-A front end in another process (``sits serve``'s HTTP server, the runtime's gateway) tokenizes and
-validates with the same rules the engine applies, so bad input is refused where the client is,
-before anything crosses a process boundary.
+Whoever queues to an engine validates and tokenizes there (``LLMEngine.make_request`` in-process,
+``sits serve``'s HTTP server, the runtime's gateway), so bad input is refused where the client is,
+before anything crosses a process boundary; the engine core then trusts its ``EngineRequest``s.
+That is sound because every front end holds the engine's own ``EngineLimits``: read from the
+instance's ``Ready``, or planned from the same config with ``plan_limits`` (a gateway, before any
+instance runs), and an instance whose ``Ready`` says otherwise is not used.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from sits.engine.errors import ContextLengthExceededError, InvalidRequestError
 from sits.engine.guided import vocabulary_for
+from sits.engine.messages import EngineLimits
 from sits.engine.sampling_params import SamplingParams
 from sits.engine.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from sits.engine.config import EngineConfig, ModelConfig
+
+
+def plan_limits(cfg: "EngineConfig", model_config: "ModelConfig") -> EngineLimits:
+    """The limits an engine built from ``cfg`` will have (the engine sizes its KV pool with this)."""
+    from sits.engine.config import resolve_dtype
+    from sits.engine.kv_cache import bytes_per_block
+
+    mpe = model_config.max_position_embeddings
+    per_block = bytes_per_block(model_config, cfg.block_size, resolve_dtype(cfg.dtype))
+    return EngineLimits(vocab_size=model_config.vocab_size, max_model_len=min(cfg.max_model_len or mpe, mpe),
+                        block_size=cfg.block_size,
+                        num_kv_blocks=cfg.num_kv_blocks or max(1, cfg.kv_cache_memory_mb * 2**20 // per_block))
+
 
 class RequestValidator:
-    def __init__(self, tokenizer: Tokenizer, *, vocab_size: int, max_model_len: int, block_size: int,
-                 num_kv_blocks: int):
+    def __init__(self, tokenizer: Tokenizer, limits: EngineLimits):
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self.block_size = block_size
-        self.num_kv_blocks = num_kv_blocks
+        self.limits = limits
+        self.vocab_size = limits.vocab_size
+        self.max_model_len = limits.max_model_len
+        self.block_size = limits.block_size
+        self.num_kv_blocks = limits.num_kv_blocks
 
     @property
     def kv_capacity_tokens(self) -> int:
-        return self.block_size * self.num_kv_blocks
+        return self.limits.kv_capacity_tokens
 
     def prompt_ids(self, prompt: str | list[int], params: SamplingParams, priority: int = 0) -> list[int]:
         """Token ids of ``prompt``, or the typed error saying what to change."""

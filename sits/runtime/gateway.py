@@ -27,7 +27,7 @@ import numpy as np
 from sits.engine.config import ModelConfig
 from sits.engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestAbortedError, SitsError
 from sits.engine.messages import EngineRequest, EngineStats, TokenEvent
-from sits.engine.request_validator import RequestValidator
+from sits.engine.request_validator import RequestValidator, plan_limits
 from sits.engine.sampling_params import SamplingParams
 from sits.engine.tokenizer import Tokenizer
 from sits.faults import FaultInjector, FaultsSpec
@@ -126,12 +126,12 @@ class UnitBackend:
         except ModelLoadError as e:      # a unit that cannot load is the deployer's input error
             raise InvalidRequestError(f"unit {spec.name}: {e.message}", param="model", code=e.code) from None
         check_fits_host(spec, mc)
-        self.max_model_len = min(spec.resources.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings)
-        # the KV pool's size is known once an instance runs; the instance checks that limit itself
-        self.validator = RequestValidator(self.tokenizer, vocab_size=mc.vocab_size, max_model_len=self.max_model_len,
-                                          block_size=16, num_kv_blocks=1 << 30)
-        self.kv_capacity_tokens = self.max_model_len
+        # what every instance of this unit will report in its Ready (checked there): requests are
+        # validated once, here, against them
+        self.limits = plan_limits(spec.engine_config(), mc)
+        self.max_model_len = self.limits.max_model_len
+        self.validator = RequestValidator(self.tokenizer, self.limits)
+        self.kv_capacity_tokens = self.limits.kv_capacity_tokens
         self.ingested: dict | None = None
         self.features = BackendFeatures(
             ttft_slo_ms=spec.slo.ttft_ms, tools=tuple(spec.tools), tool_dirs=dict(spec.tool_dirs),
@@ -139,7 +139,7 @@ class UnitBackend:
             memory_top_k=spec.memory.top_k if spec.memory else DEFAULT_MEMORY_TOP_K)
         self.host = host
         self.pool = UnitPool(spec, on_event=lambda kind, data: host.record(spec.name, kind, data),
-                             launcher=host.launcher, tokenizer=self.tokenizer)
+                             launcher=host.launcher, tokenizer=self.tokenizer, limits=self.limits)
         self.autoscaler = Autoscaler(spec.scale, spec.slo)
         self.router = Router()
         self.routed: collections.Counter = collections.Counter()

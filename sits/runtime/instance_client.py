@@ -2,9 +2,9 @@
 
 ``InstanceBackend.spawn`` starts ``sits.runtime.instance_worker`` on a private Unix socket and follows
 its cold start. Requests are validated and tokenized here, in the front end's process, with the
-engine's own rules (``RequestValidator``); only token ids cross the socket. Each step's events
-are dispatched to per-request queues from the socket's ``data_received`` (``FrameProtocol``). If
-the process dies, every open stream gets ``EngineDeadError`` at once and ``ready`` turns false.
+limits the instance reported (``RequestValidator``, once: the engine trusts them); only token ids
+cross the socket. Each step's events are dispatched to per-request queues from the socket's
+``data_received`` (``FrameProtocol``). If the process dies, every open stream gets ``EngineDeadError`` at once and ``ready`` turns false.
 """
 
 from __future__ import annotations
@@ -45,12 +45,12 @@ class InstanceBackend:
         self.created = int(time.time())
         self.proc = proc
         self.pid = info.pid
-        self.max_model_len = info.max_model_len
+        self.limits = info.limits
+        self.max_model_len = info.limits.max_model_len
         self.max_num_seqs = cfg.max_num_seqs
         self.tokenizer = tokenizer
         self.features = NO_FEATURES
-        self.validator = RequestValidator(tokenizer, vocab_size=info.vocab_size, max_model_len=self.max_model_len,
-                                          block_size=info.block_size, num_kv_blocks=info.num_kv_blocks)
+        self.validator = RequestValidator(tokenizer, info.limits)
         self.kv_capacity_tokens = self.validator.kv_capacity_tokens
         self.cold_start = info.cold_start
         self._conn = conn

@@ -78,10 +78,7 @@ def serve_instance(cfg_dict: dict, sock_path: str, preloaded=None, listener: soc
     except Exception as e:  # noqa: BLE001 - reported to the front end, then we exit
         send_blocking(conn, Fatal("model_load_failed", f"{type(e).__name__}: {e}"))
         return 2
-    pool = engine.pool
-    send_blocking(conn, Ready(pid=os.getpid(), max_model_len=engine.max_model_len,
-                              vocab_size=engine.model_config.vocab_size, block_size=pool.block_size,
-                              num_kv_blocks=pool.num_blocks, cold_start=engine.report.to_dict(),
+    send_blocking(conn, Ready(pid=os.getpid(), limits=engine.limits, cold_start=engine.report.to_dict(),
                               inherited_weights=engine.inherited_weights))
     return _loop(EngineCore(engine), conn)
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sits.engine.errors import SitsError
+from sits.engine.messages import EngineLimits
 from sits.engine.tokenizer import Tokenizer
 from sits.runtime.cpu_quota import CpuQuotaManager, thread_cap
 from sits.runtime.instance_client import InstanceBackend
@@ -89,11 +90,14 @@ def quota_manager() -> CpuQuotaManager:
 
 class UnitPool:
     def __init__(self, spec: UnitSpec, *, on_event: Callable[[str, dict], None] | None = None,
-                 launcher: Callable[[], object | None] | None = None, tokenizer: Tokenizer | None = None):
+                 launcher: Callable[[], object | None] | None = None, tokenizer: Tokenizer | None = None,
+                 limits: EngineLimits | None = None):
         """``launcher()`` returns the current instance launcher (the zygote's fork) or None (fresh process);
-        ``tokenizer``: the unit's, shared by its instances' front-end sides (not reloaded per start)."""
+        ``tokenizer``: the unit's, shared by its instances' front-end sides (not reloaded per start);
+        ``limits``: what the unit validates requests against: an instance reporting others is not used."""
         self.spec = spec
         self.tokenizer = tokenizer
+        self.limits = limits
         self._launcher = launcher or (lambda: None)
         self.instances: list[Instance] = []
         self.desired = 0
@@ -220,6 +224,10 @@ class UnitPool:
         try:
             backend = await InstanceBackend.spawn(cfg, self.spec.name, on_phase=on_phase,
                                                   launcher=launcher, tokenizer=self.tokenizer)
+            if self.limits is not None and backend.limits != self.limits:
+                await backend.shutdown()
+                raise SitsError(f"the instance's limits {backend.limits} differ from the unit's {self.limits}, "
+                                "which its requests are validated against", code="limits_mismatch")
         except Exception as e:  # noqa: BLE001 - a failed start is reported and retried by reconcile
             self._stopped(inst, getattr(e, "message", None) or f"{type(e).__name__}: {e}")
             self.start_failures += 1
