@@ -21,7 +21,6 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sits import __version__
-from sits.api import session_routes
 from sits.api.backend import BackendRegistry
 from sits.api.context import ServerContext, ServerSettings
 from sits.api.edge import EdgeMiddleware
@@ -30,7 +29,7 @@ from sits.api.hot_path import HotRoutes
 from sits.api.metrics import CONTENT_TYPE, ServerMetrics
 from sits.api.openai import embedding_routes
 from sits.api.openai import routes as openai_routes
-from sits.api.sits import memory_routes, tool_routes
+from sits.api.sits import memory_routes, session_routes, tool_routes
 from sits.api.sits import routes as sits_routes
 from sits.api.sits.request_store import RequestStore
 from sits.api.sits.webhooks import WebhookDispatcher

@@ -11,7 +11,6 @@ format exactly (role chunk, deltas, finish chunk, optional usage chunk, ``data: 
 from __future__ import annotations
 
 import time
-from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,17 +20,17 @@ from fastapi.responses import JSONResponse
 from sits.api.backend import Backend
 from sits.api.context import accepted_at, context_of, new_request_id
 from sits.api.errors import error_docs, error_response, sits_error_as_dict
-from sits.api.generation import ChoiceResult, Generation
-from sits.api.openai.structured import Guidance, ToolCallStream, assistant_message, chat_guidance
+from sits.api.generation import Generation
+from sits.api.openai.chunks import ChatChunks, Chunks, CompletionChunks
+from sits.api.openai.structured import chat_guidance
 from sits.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                CompletionResponse, ModelCard, ModelList)
-from sits.api.retrieval import last_user_text, recall, with_context
-from sits.api.session_routes import SessionTurn
+from sits.api.session import SessionTurn
+from sits.api.shaping import default_max_tokens, sampling_params, shape_chat
 from sits.api.sse import SSE_DONE, ClientDisconnected, SSEResponse, sse_data, until_disconnect
-from sits.engine.errors import ContextLengthExceededError, InvalidRequestError, SitsError
+from sits.engine.errors import InvalidRequestError, SitsError
 from sits.engine.messages import TokenEvent
 from sits.engine.sampling_params import SamplingParams
-from sits.engine.tool_format import ToolSpec
 from sits.observe import genai, tracing
 
 router = APIRouter()
@@ -49,33 +48,6 @@ STREAM_DOC = {"content": {"text/event-stream": {"schema": {"type": "string"},
 
 
 # -- request -> engine jobs -------------------------------------------------------------------------
-def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                    logprobs: int | None, grammar: str | None = None) -> SamplingParams:
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k is None or req.top_k < 0 else req.top_k,
-        min_p=req.min_p or 0.0,
-        seed=req.seed,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-        logprobs=logprobs, grammar=grammar)
-
-
-def default_max_tokens(backend: Backend, prompt_len: int) -> int:
-    """What ``max_tokens: null`` means: the rest of the context (and of the KV pool)."""
-    room = min(backend.max_model_len, backend.kv_capacity_tokens) - prompt_len
-    if room < 1:
-        raise ContextLengthExceededError(
-            f"this model's maximum context length is {backend.max_model_len} tokens and the prompt has "
-            f"{prompt_len}: no room is left for output", param="messages")
-    return room
-
-
 MAX_SEQUENCES_PER_REQUEST = 256     # prompts x n: one request cannot flood the engine queue
 
 
@@ -96,20 +68,13 @@ def completion_prompts(req: CompletionRequest, backend: Backend) -> list[str | l
     return [list(x) for x in p]
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict]:
-    return [m.as_dict() for m in req.messages]
-
-
-def chat_prompt_ids(messages: list[dict], backend: Backend, add_generation_prompt: bool = True,
-                    tools: list[ToolSpec] | None = None) -> list[int]:
-    if len(messages) > backend.max_model_len:     # every message renders to a token at least
-        raise ContextLengthExceededError(f"{len(messages)} messages cannot fit in this model's "
-                                         f"{backend.max_model_len} tokens", param="messages")
-    text = backend.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
-    ids = backend.tokenizer.encode(text, max_tokens=backend.max_model_len)
-    if not ids:
-        raise InvalidRequestError("the rendered conversation is empty", param="messages", code="empty_prompt")
-    return ids
+def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None,
+              grammar: str | None = None) -> SamplingParams:
+    return sampling_params(max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                           min_p=body.min_p, seed=body.seed, presence_penalty=body.presence_penalty,
+                           frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+                           stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+                           logprobs=logprobs, grammar=grammar)
 
 
 # -- headers --------------------------------------------------------------------------------------
@@ -125,37 +90,6 @@ def response_headers(gen: Generation, warning: str | None) -> dict[str, str]:
 
 def wants_stream_meta(request: Request) -> bool:
     return request.headers.get("x-sits-stream-meta", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-# -- logprobs -------------------------------------------------------------------------------------
-def _token_text(backend: Backend, tid: int) -> str:
-    return backend.tokenizer.decode([tid], skip_special_tokens=False)
-
-
-def completion_logprobs(backend: Backend, ch: ChoiceResult, start: int = 0, offset0: int = 0,
-                        events: list[TokenEvent] | None = None) -> dict[str, Any]:
-    ids = ch.token_ids[start:]
-    lps = ch.logprobs[start:]
-    tops = ch.top_logprobs[start:]
-    tokens = [_token_text(backend, t) for t in ids]
-    offsets, pos = [], offset0
-    for tok in tokens:
-        offsets.append(pos)
-        pos += len(tok)
-    top = None
-    if any(t is not None for t in tops):
-        top = [None if t is None else {_token_text(backend, i): lp for i, lp in t} for t in tops]
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
-
-
-def chat_logprobs(backend: Backend, ch: ChoiceResult, start: int = 0) -> dict[str, Any]:
-    content = []
-    for tid, lp, top in zip(ch.token_ids[start:], ch.logprobs[start:], ch.top_logprobs[start:]):
-        tok = _token_text(backend, tid)
-        content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()),
-                        "top_logprobs": [{"token": (tt := _token_text(backend, i)), "logprob": v,
-                                          "bytes": list(tt.encode())} for i, v in (top or [])]})
-    return {"content": content}
 
 
 # -- routes ---------------------------------------------------------------------------------------
@@ -178,11 +112,11 @@ async def create_completion(body: CompletionRequest, request: Request):
         if max_tokens is None and isinstance(p, str):
             p = backend.tokenizer.encode(p)      # tokenized once: its length sets the default max_tokens
         mt = max_tokens if max_tokens is not None else default_max_tokens(backend, len(p))
-        jobs.append((p, sampling_params(body, mt, body.logprobs)))
+        jobs.append((p, _sampling(body, mt, body.logprobs)))
     rid = new_request_id()
     gen = Generation(backend, ctx.metrics, ctx.inflight, rid, jobs, n=body.n, priority=body.priority,
                      interactive=True, accepted_at=accepted_at(request))
-    return await _respond(request, gen, _CompletionChunks(f"cmpl-{rid}", backend, gen, body))
+    return await _respond(request, gen, CompletionChunks(f"cmpl-{rid}", backend, gen, body))
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, tags=["openai"],
@@ -190,27 +124,19 @@ async def create_completion(body: CompletionRequest, request: Request):
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     ctx = context_of(request)
     backend = ctx.registry.get(body.model)
-    messages = chat_messages(body)
-    turn = SessionTurn.of(ctx)
-    if turn is not None:            # X-Session-ID: the stored conversation goes in front
-        messages = await turn.conversation(messages)
+    turn = SessionTurn.of(ctx)          # X-Session-ID: the stored conversation goes in front
     rid = new_request_id()
-    citations: list[dict] = []
-    set_name = body.memory_ref or backend.features.memory_set    # a RAG unit retrieves by itself
-    if set_name is not None:             # retrieved context first
-        citations, context = await recall(ctx, set_name, last_user_text(messages), f"chatcmpl-{rid}",
-                                          backend.features.memory_top_k,
-                                          required=body.memory_ref is not None)
-        if context:
-            messages = with_context(messages, context)
     guidance = chat_guidance(body)
-    ids = chat_prompt_ids(messages, backend, body.add_generation_prompt, guidance.tools or None)
+    shaped = await shape_chat(ctx, backend, [m.as_dict() for m in body.messages], turn=turn,
+                              memory_ref=body.memory_ref, response_id=f"chatcmpl-{rid}",
+                              tools=guidance.tools or None, add_generation_prompt=body.add_generation_prompt)
+    ids = shaped.prompt
     max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens(backend, len(ids))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs",
                                   code="invalid_parameter")
-    params = sampling_params(body, max_tokens, logprobs, guidance.grammar)
+    params = _sampling(body, max_tokens, logprobs, guidance.grammar)
     try:
         gen = Generation(backend, ctx.metrics, ctx.inflight, rid, [(ids, params)],
                          n=body.n, priority=body.priority, interactive=True, accepted_at=accepted_at(request))
@@ -218,13 +144,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         if e.code == "invalid_grammar":      # the grammar is ours; what the client sent is its source
             e.param = "tools" if guidance.calls_tools else "response_format"
         raise
-    chunks = _ChatChunks(f"chatcmpl-{rid}", backend, gen, body, guidance)
-    chunks.citations = citations
+    chunks = ChatChunks(f"chatcmpl-{rid}", backend, gen, body, guidance)
+    chunks.citations = shaped.citations
     return await _respond(request, gen, chunks, turn)
 
 
 # -- running ----------------------------------------------------------------------------------------
-def _trace_request(gen: Generation, chunks: "_Chunks") -> None:
+def _trace_request(gen: Generation, chunks: Chunks) -> None:
     if tracing.current_scope.get() is None:
         return
     body = chunks.body
@@ -236,7 +162,7 @@ def _trace_request(gen: Generation, chunks: "_Chunks") -> None:
                       genai.LEVEL: "L1" if body.stream else "L2", "sits.stream": bool(body.stream)})
 
 
-def _trace_response(gen: Generation, chunks: "_Chunks") -> None:
+def _trace_response(gen: Generation, chunks: Chunks) -> None:
     if tracing.current_scope.get() is None:
         return
     tracing.annotate({genai.RESPONSE_ID: chunks.cid, genai.RESPONSE_MODEL: chunks.backend.name,
@@ -252,7 +178,7 @@ async def _remember(turn: SessionTurn | None, gen: Generation) -> None:
         await turn.remember("".join(ch.text), unit=gen.backend.name, instance=instance)
 
 
-async def _respond(request: Request, gen: Generation, chunks: "_Chunks", turn: SessionTurn | None = None):
+async def _respond(request: Request, gen: Generation, chunks: Chunks, turn: SessionTurn | None = None):
     """Stream the generation as SSE, or run it to the end and answer one JSON body."""
     warning = chunks.body.warning_header()
     _trace_request(gen, chunks)
@@ -284,113 +210,6 @@ class _Gone(SitsError):
     http_status = 499
 
 
-class _Chunks(ABC):
-    """One dialect's shapes: streamed chunks from merged (choice, event) pairs, and the final choices."""
-
-    obj = ""                 # the "object" of a streamed chunk
-    response_object = ""     # ... and of the non-streamed response
-
-    def __init__(self, cid: str, backend: Backend, gen: Generation, body):
-        self.cid, self.backend, self.gen, self.body = cid, backend, gen, body
-        self.citations: list[dict] = []      # a RAG unit's retrieved memories (an extra field clients ignore)
-        self.created = int(time.time())
-        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    def base(self, choices: list[dict]) -> dict[str, Any]:
-        return {"id": self.cid, "object": self.obj, "created": self.created, "model": self.backend.name,
-                "choices": choices}
-
-    def opening(self) -> list[dict]:
-        return []
-
-    @abstractmethod
-    def delta(self, i: int, ev: TokenEvent) -> dict | None:
-        """The chunk for one event of choice ``i``, or None when it carries nothing to show."""
-
-    @abstractmethod
-    def final_choice(self, ch: ChoiceResult) -> dict[str, Any]:
-        """One choice of the non-streamed response."""
-
-    def usage(self) -> dict:
-        out = self.base([])
-        out["usage"] = self.gen.usage()
-        return out
-
-
-class _CompletionChunks(_Chunks):
-    obj = response_object = "text_completion"
-
-    def __init__(self, *a):
-        super().__init__(*a)
-        self.offsets = [0] * len(self.gen.choices)
-
-    def final_choice(self, ch: ChoiceResult) -> dict[str, Any]:
-        return {"index": ch.index, "text": "".join(ch.text), "finish_reason": ch.finish_reason,
-                "logprobs": completion_logprobs(self.backend, ch) if self.body.logprobs is not None else None}
-
-    def delta(self, i: int, ev: TokenEvent) -> dict | None:
-        if not ev.text and not ev.finished:
-            return None
-        ch = self.gen.choices[i]
-        c: dict[str, Any] = {"index": i, "text": ev.text, "logprobs": None,
-                             "finish_reason": ev.finish_reason if ev.finished else None}
-        if self.body.logprobs is not None and ev.token_id is not None:
-            c["logprobs"] = completion_logprobs(self.backend, ch, start=len(ch.token_ids) - 1,
-                                                offset0=self.offsets[i])
-        self.offsets[i] += len(ev.text)
-        return self.base([c])
-
-
-class _ChatChunks(_Chunks):
-    obj = "chat.completion.chunk"
-    response_object = "chat.completion"
-
-    def __init__(self, cid: str, backend: Backend, gen: Generation, body, guidance: Guidance):
-        super().__init__(cid, backend, gen, body)
-        self.guidance = guidance
-        self.calls = [ToolCallStream(guidance) for _ in gen.choices] if guidance.calls_tools else None
-
-    def final_choice(self, ch: ChoiceResult) -> dict[str, Any]:
-        message, finish_reason, errors = assistant_message(self.guidance, "".join(ch.text), ch.finish_reason)
-        out = {"index": ch.index, "message": message, "finish_reason": finish_reason,
-               "logprobs": chat_logprobs(self.backend, ch) if self.body.logprobs else None}
-        if errors:
-            out["tool_call_errors"] = errors
-        return out
-
-    def opening(self) -> list[dict]:
-        out = [self.base([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                           "finish_reason": None}]) for c in self.gen.choices]
-        if self.citations:
-            out[0]["citations"] = self.citations
-        return out
-
-    def delta(self, i: int, ev: TokenEvent) -> dict | None:
-        if not ev.text and not ev.finished:
-            return None
-        ch = self.gen.choices[i]
-        text, finish_reason, delta, errors = ev.text, ev.finish_reason if ev.finished else None, {}, []
-        if self.calls is not None:       # prose streams; calls are read whole at the end
-            text = self.calls[i].feed(ev.text)
-            if ev.finished:
-                rest, calls, errors = self.calls[i].finish()
-                text += rest
-                if calls:
-                    delta["tool_calls"] = calls
-                    if finish_reason != "length":     # cut off by max_tokens stays "length"
-                        finish_reason = "tool_calls"
-            if not text and not delta and not ev.finished:
-                return None
-        if text:
-            delta = {"content": text, **delta}
-        c: dict[str, Any] = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        if errors:
-            c["tool_call_errors"] = errors
-        if self.body.logprobs and ev.token_id is not None:
-            c["logprobs"] = chat_logprobs(self.backend, ch, start=len(ch.token_ids) - 1)
-        return self.base([c])
-
-
 class _Meta:
     """``"sits": {...}`` per chunk: which stage the time before this chunk went to, and how long."""
 
@@ -405,7 +224,7 @@ class _Meta:
         return chunk
 
 
-async def _stream(request: Request, gen: Generation, chunks: _Chunks, ignored: str | None,
+async def _stream(request: Request, gen: Generation, chunks: Chunks, ignored: str | None,
                   turn: SessionTurn | None = None) -> SSEResponse:
     events = gen.events()
     try:
@@ -424,7 +243,7 @@ async def _stream(request: Request, gen: Generation, chunks: _Chunks, ignored: s
 
 
 async def _sse_body(gen: Generation, events: AsyncIterator[tuple[int, TokenEvent]],
-                    first: tuple[int, TokenEvent] | None, chunks: _Chunks, meta: _Meta | None,
+                    first: tuple[int, TokenEvent] | None, chunks: Chunks, meta: _Meta | None,
                     turn: SessionTurn | None = None) -> AsyncIterator[bytes]:
     prev_time: dict[int, float] = {}
     started = time.monotonic()

@@ -21,8 +21,9 @@ from sits.api.context import ServerContext, accepted_at, context_of, new_request
 from sits.api.errors import ConflictError, ModelNotFoundError, RequestNotFoundError, clip, error_docs
 from sits.api.generation import Generation
 from sits.api.protocol import SitsRequest, SitsRequestView
-from sits.api.retrieval import last_user_text, recall, with_context
-from sits.api.session_routes import SessionTurn
+from sits.api.retrieval import last_user_text
+from sits.api.session import SessionTurn
+from sits.api.shaping import sampling_params, shape_chat, shape_text
 from sits.api.sits.lifecycle import RequestState
 from sits.api.sits.request_store import RequestStore, TrackedRequest
 from sits.api.sits.tool_loop import ToolLoop
@@ -152,10 +153,7 @@ def _default_unit(ctx: ServerContext) -> str:
 
 # -- execution ------------------------------------------------------------------------------------
 def _sampling(body: SitsRequest, max_tokens: int) -> SamplingParams:
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-                          top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=stop)
-
+    return sampling_params(max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stop)
 
 
 @dataclass(slots=True)
@@ -197,31 +195,17 @@ async def _validate(ctx: ServerContext, body: SitsRequest, turn: SessionTurn | N
         except ToolError as e:
             raise InvalidRequestError(f"unit {backend.name!r}: {e.message}", param="allowed_tools",
                                       code=e.code) from None
-    set_name = body.memory_ref or backend.features.memory_set     # a RAG unit retrieves by itself
-    citations, context = [], ""
-    if set_name is not None:
-        citations, context = await recall(ctx, set_name, _question(body), rid,
-                                          backend.features.memory_top_k,
-                                          required=body.memory_ref is not None)
     params = _sampling(body, body.constraints.max_tokens)
     if body.messages is None and turn is None and loop is None:
-        prompt = (f"Context:\n{context}\n\nQuestion: {body.prompt}\nAnswer:" if context else body.prompt) or ""
-        return _Plan(backend, prompt, None, params, citations)
+        shaped = await shape_text(ctx, backend, body.prompt or "", memory_ref=body.memory_ref, response_id=rid)
+        return _Plan(backend, shaped.prompt, None, params, shaped.citations)
     messages = ([m.as_dict() for m in body.messages] if body.messages is not None
                 else [{"role": "user", "content": body.prompt or ""}])
-    if turn is not None:
-        messages = await turn.conversation(messages)
-    if context:
-        messages = with_context(messages, context)
-    if len(messages) > backend.max_model_len:
-        raise InvalidRequestError(f"{len(messages)} messages cannot fit in this unit's {backend.max_model_len} "
-                                  "tokens", param="messages", code="context_length_exceeded")
-    tok = backend.tokenizer
-    ids = tok.encode(tok.apply_chat_template(messages, tools=loop.specs if loop else None),
-                     max_tokens=backend.max_model_len)
+    shaped = await shape_chat(ctx, backend, messages, turn=turn, memory_ref=body.memory_ref, response_id=rid,
+                              tools=loop.specs if loop else None)
     if loop is not None:     # the first step's prompt must fit; later steps are checked as they come
-        backend.prepare(ids, params, request_id=f"{rid}.check", priority=body.constraints.priority)
-    return _Plan(backend, ids, messages, params, citations, loop, choice)
+        backend.prepare(shaped.prompt, params, request_id=f"{rid}.check", priority=body.constraints.priority)
+    return _Plan(backend, shaped.prompt, shaped.messages, params, shaped.citations, loop, choice)
 
 
 async def _execute(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest, t0: float) -> None:

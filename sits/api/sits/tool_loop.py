@@ -19,6 +19,7 @@ from typing import Any
 from sits.api.backend import Backend
 from sits.api.context import ServerContext
 from sits.api.generation import Generation
+from sits.api.shaping import encode_chat
 from sits.api.sits.request_store import TrackedRequest
 from sits.engine.sampling_params import SamplingParams
 from sits.engine.tool_format import ToolCall, ToolSpec, parse_tool_calls, prose_grammar, tool_call_grammar
@@ -90,8 +91,7 @@ class ToolLoop:
     async def _generate(self, step: int, messages: list[dict], params: SamplingParams, choice: str,
                         ids: list[int] | None) -> StepResult:
         if ids is None:
-            tok = self.backend.tokenizer
-            ids = tok.encode(tok.apply_chat_template(messages, tools=self.specs), max_tokens=self.backend.max_model_len)
+            ids = encode_chat(self.backend, messages, tools=self.specs)
         # the last step (choice "none") may not call: prose only, or the model could still write a call
         grammar = tool_call_grammar(self.specs, choice) if choice != "none" else prose_grammar()
         gen = Generation(self.backend, self.ctx.metrics, self.ctx.inflight, f"{self.tr.id}.{step}",
