@@ -147,3 +147,12 @@ def stop_sits(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+def revision(checkout: str) -> str:
+    """The checkout's commit, for labels (its path if it is not a git work tree)."""
+    try:
+        return subprocess.run(["git", "-C", checkout, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return checkout

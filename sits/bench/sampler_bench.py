@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sits.bench.common import add_bench_command, log, publish
+from sits.bench.common import add_bench_command, log, publish, revision
 
 DOC_BEGIN = "<!-- sits bench sampler: begin -->"
 DOC_END = "<!-- sits bench sampler: end -->"
@@ -82,12 +82,10 @@ def _measure(code_dir: str, heap: bool, cfg: dict) -> dict[str, float]:
 def run_sampler_bench(*, batch: int = 32, vocab: int = 49152, threads: int = 1, rounds: int = 3,
                       seconds: float = 1.0, baseline_code: str | None = None, json_out: str | None = None,
                       docs_out: str | None = None) -> dict:
-    from sits.bench.serve_bench import _revision
-
     here = str(Path(__file__).resolve().parents[2])
     variants = {"heap": (here, True), "mmap": (here, False)}
     if baseline_code:
-        variants[f"old code ({_revision(baseline_code)})"] = (str(Path(baseline_code).resolve()), True)
+        variants[f"old code ({revision(baseline_code)})"] = (str(Path(baseline_code).resolve()), True)
     cfg = {"batch": batch, "vocab": vocab, "threads": threads, "seconds": seconds, "cases": CASES}
     runs: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for r in range(rounds):
@@ -98,7 +96,7 @@ def run_sampler_bench(*, batch: int = 32, vocab: int = 49152, threads: int = 1, 
             f"{v} {runs[v][-1]['temperature 1.0']:.0f} us" for v in variants) + " (temperature 1.0)")
     medians = {v: {case: statistics.median(run[case] for run in runs[v]) for case in CASES} for v in variants}
     result = {"batch": batch, "vocab": vocab, "threads": threads, "rounds": rounds, "variants": list(variants),
-              "median_us": medians, "runs_us": runs, "revision": _revision(here)}
+              "median_us": medians, "runs_us": runs, "revision": revision(here)}
     return publish(result, "sampler", _markdown, DOC_BEGIN, DOC_END, json_out, docs_out, plot=_plot)
 
 
