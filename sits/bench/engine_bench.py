@@ -214,14 +214,12 @@ def _hf_decode(hf, prompts: list[list[int]], out_len: int, batched: bool, pad_id
 def bench_decode(model: str, hw: Hardware, quick: bool, repeats: int) -> dict:
     from transformers import LlamaForCausalLM as HFLlama   # benchmark-only dependency
 
-    from sits.engine.config import resolve_dtype
-
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     rng = random.Random(1)
     out_len = 16 if quick else 64
     levels = [1, 8] if quick else [1, 8, 32]
     eng = _engine(model, hw, enable_prefix_caching=False)
-    hf = HFLlama.from_pretrained(model, torch_dtype=resolve_dtype(hw.dtype)).to(hw.device).eval()
+    hf = HFLlama.from_pretrained(model, torch_dtype=eng.dtype).to(hw.device).eval()     # the engine's own dtype
     res: dict[str, dict] = {}
     for c in levels:
         prompts = [[rng.randrange(5, vocab) for _ in range(32)] for _ in range(c)]

@@ -12,7 +12,9 @@ import time
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local Hugging Face model directory")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--dtype", default="float32", help="weights and KV cache: float32, bfloat16 or float16")
+    p.add_argument("--dtype", default="auto",
+                   help="weights and KV cache: auto (follow the checkpoint: bf16 where this device computes it "
+                        "natively, else fp32), float32, bfloat16 or float16 (default: auto)")
     p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: all cores)")
     p.add_argument("--policy", default="pfsd", choices=["pfsd", "fcfs"], help="scheduler policy")
     p.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool size, MiB")

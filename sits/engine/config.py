@@ -44,6 +44,13 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        quantization = raw.get("quantization_config")
+        if quantization:
+            method = (quantization.get("quant_method") if isinstance(quantization, dict) else None) or "unknown"
+            raise UnsupportedModelError(
+                f"{source}: the checkpoint is quantized with {method!r}, which SITS does not load; use the "
+                "unquantized (bf16/fp16/fp32) checkpoint or a GGUF file of the model",
+                param="quantization_config", code="unsupported_quantization")
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -103,12 +110,38 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
            "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def cpu_computes_bf16() -> bool:
+    """This CPU multiplies bf16 natively (AVX-512 BF16 or AMX), where bf16 weights were measured
+    faster than fp32 (docs/benchmarks.md, ``sits bench dtype``); elsewhere bf16 is emulated."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in info for flag in (" avx512_bf16", " amx_bf16"))
+
+
+def resolve_dtype(name: str, device: torch.device | None = None, stored: str | None = None) -> torch.dtype:
+    """The compute dtype for ``name``; ``auto`` follows the checkpoint's stored dtype (``stored``):
+    a bf16 or fp16 checkpoint runs in bf16 where ``device`` computes it natively (fp16 stays fp16 on
+    CUDA), else in fp32; an fp32 checkpoint stays fp32 on a CPU (its weights are then mapped, not
+    copied) and runs in bf16 on CUDA, as vLLM does."""
+    if name == "auto":
+        return _auto_dtype(device or torch.device("cpu"), _DTYPES.get(stored or "float32", torch.float32))
     try:
         return _DTYPES[name]
     except KeyError:
-        raise UnsupportedModelError(f"dtype {name!r} is not supported; use one of {sorted(_DTYPES)}",
+        raise UnsupportedModelError(f"dtype {name!r} is not supported; use auto or one of {sorted(_DTYPES)}",
                                     param="dtype") from None
+
+
+def _auto_dtype(device: torch.device, stored: torch.dtype) -> torch.dtype:
+    if device.type == "cuda":
+        if stored == torch.float16:
+            return torch.float16
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if stored in (torch.bfloat16, torch.float16) and cpu_computes_bf16():
+        return torch.bfloat16
+    return torch.float32
 
 
 def resolve_device(name: str) -> torch.device:
@@ -127,7 +160,7 @@ class EngineConfig:
 
     model: str
     device: str = "auto"                 # "cpu", "cuda", "cuda:1", or "auto"
-    dtype: str = "float32"               # weights and KV cache
+    dtype: str = "auto"                  # weights and KV cache; auto follows the checkpoint (resolve_dtype)
     threads: int | None = None           # intra-op threads on CPU (None: all cores)
     block_size: int = 16                 # tokens per KV block
     num_kv_blocks: int | None = None     # None: derived from kv_cache_memory_mb

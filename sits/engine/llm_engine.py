@@ -58,7 +58,8 @@ class PreloadedModel:
     def load(cls, cfg: EngineConfig) -> "PreloadedModel":
         mc = ModelConfig.from_dir(cfg.model)
         max_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        model = load_model(cfg.model, mc, torch.device("cpu"), resolve_dtype(cfg.dtype), max_len)
+        cpu = torch.device("cpu")
+        model = load_model(cfg.model, mc, cpu, resolve_dtype(cfg.dtype, cpu, mc.torch_dtype), max_len)
         return cls(str(cfg.model), cfg.dtype, max_len, mc, model, Tokenizer.from_dir(cfg.model))
 
     @staticmethod
@@ -81,7 +82,6 @@ class LLMEngine:
         if age is not None:
             self.report.record("imports", age * 1e3)
         self.device = resolve_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.dtype)
         self.threads = cfg.threads or os.cpu_count() or 1
         if self.device.type == "cpu":
             torch.set_num_threads(self.threads)
@@ -90,6 +90,7 @@ class LLMEngine:
             preloaded = None
         with self.report.phase("config"):
             self.model_config = preloaded.model_config if preloaded else ModelConfig.from_dir(cfg.model)
+            self.dtype = resolve_dtype(cfg.dtype, self.device, self.model_config.torch_dtype)
             self.limits = plan_limits(cfg, self.model_config)
             self.max_model_len = self.limits.max_model_len
         self.inherited_weights = preloaded is not None

@@ -66,8 +66,29 @@ class SafetensorsFile:
         return out
 
 
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files that make up the checkpoint: those its ``model.safetensors.index.json``
+    names, else ``model.safetensors``, else every ``*.safetensors`` but a ``consolidated*`` one (Mistral
+    repositories keep their native-format copy of the same weights beside the HF shards)."""
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
+            raise ModelLoadError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+        files = [root / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} names shards that are not there: {', '.join(missing[:5])}", param="model")
+        return files
+    if (root / "model.safetensors").is_file():
+        return [root / "model.safetensors"]
+    return sorted(f for f in root.glob("*.safetensors") if not f.name.startswith("consolidated"))
+
+
 def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    files = weight_files(model_dir)
     if not files:
         raise ModelLoadError(f"{model_dir}: no *.safetensors weights found (PyTorch .bin is not supported)",
                              param="model")

@@ -24,11 +24,12 @@ if TYPE_CHECKING:
 
 def plan_limits(cfg: "EngineConfig", model_config: "ModelConfig") -> EngineLimits:
     """The limits an engine built from ``cfg`` will have (the engine sizes its KV pool with this)."""
-    from sits.engine.config import resolve_dtype
+    from sits.engine.config import resolve_device, resolve_dtype
     from sits.engine.kv_cache import bytes_per_block
 
     mpe = model_config.max_position_embeddings
-    per_block = bytes_per_block(model_config, cfg.block_size, resolve_dtype(cfg.dtype))
+    dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device), model_config.torch_dtype)
+    per_block = bytes_per_block(model_config, cfg.block_size, dtype)
     return EngineLimits(vocab_size=model_config.vocab_size, max_model_len=min(cfg.max_model_len or mpe, mpe),
                         block_size=cfg.block_size,
                         num_kv_blocks=cfg.num_kv_blocks or max(1, cfg.kv_cache_memory_mb * 2**20 // per_block))

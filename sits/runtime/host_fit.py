@@ -16,6 +16,7 @@ from pathlib import Path
 from sits.engine.config import ModelConfig, resolve_device, resolve_dtype
 from sits.engine.errors import InvalidRequestError
 from sits.engine.kv_cache import bytes_per_block
+from sits.engine.loader import weight_files
 from sits.runtime.unit_spec import UnitSpec
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
@@ -45,13 +46,19 @@ def available_memory_bytes() -> int | None:
 
 
 def weights_bytes(model_dir: str | os.PathLike) -> int:
-    return sum(p.stat().st_size for p in Path(model_dir).iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    """Bytes of the weights an instance will map: a model file itself, or the checkpoint's files."""
+    path = Path(model_dir)
+    if path.is_file():
+        return path.stat().st_size
+    files = weight_files(path) or [p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()]
+    return sum(p.stat().st_size for p in files)
 
 
 def kv_pool_bytes(spec: UnitSpec, mc: ModelConfig) -> int:
     cfg = spec.engine_config()
     if cfg.num_kv_blocks is not None:
-        return cfg.num_kv_blocks * bytes_per_block(mc, cfg.block_size, resolve_dtype(cfg.dtype))
+        dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device), mc.torch_dtype)
+        return cfg.num_kv_blocks * bytes_per_block(mc, cfg.block_size, dtype)
     return cfg.kv_cache_memory_mb * MIB
 
 

@@ -82,7 +82,7 @@ class ResourcesSpec(_Strict):
     kv_blocks: int | Literal["auto"] = "auto"
     kv_cache_mb: int = Field(256, ge=1, description="KV pool size when kv_blocks is auto")
     max_model_len: int | None = Field(None, ge=16)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"   # auto: follow the checkpoint
     policy: Literal["pfsd", "fcfs"] = "pfsd"
     warmup: bool | Literal["all", "minimal"] = Field(
         "all", description="warm-up at start: all serving shapes, minimal (one prefill, one decode), or false")
