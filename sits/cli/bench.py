@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from sits.bench import coldstart_bench, engine_bench, guided_bench, prefetch_bench, sampler_bench, serve_bench, tracing_bench
+from sits.bench import (coldstart_bench, dtype_bench, engine_bench, guided_bench, prefetch_bench, sampler_bench,
+                        serve_bench, tracing_bench)
 
-BENCHMARKS = (engine_bench, coldstart_bench, tracing_bench, guided_bench, prefetch_bench, sampler_bench, serve_bench)
+BENCHMARKS = (engine_bench, dtype_bench, coldstart_bench, tracing_bench, guided_bench, prefetch_bench, sampler_bench,
+              serve_bench)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
