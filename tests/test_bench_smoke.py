@@ -112,10 +112,13 @@ def test_dtype_bench_measures_each_dtype_against_fp32(tiny_model_dir, tmp_path):
     """`sits bench dtype`: every dtype measured in its own process; auto is reported as what it resolved to."""
     from sits.bench import dtype_bench
     docs = tmp_path / "benchmarks.md"
-    r = dtype_bench.run_dtype_bench(tiny_model_dir, dtypes=["float32", "bfloat16", "auto"], threads=1, rounds=1,
-                                    prompt=32, steps=2, docs_out=str(docs))
-    assert r["resolved"] == {"float32": "float32", "bfloat16": "bfloat16", "auto": "float32"}   # an fp32 checkpoint
+    r = dtype_bench.run_dtype_bench(tiny_model_dir, dtypes=["float32", "bfloat16", "auto", "bfloat16+int8"],
+                                    threads=1, rounds=1, prompt=32, steps=2, docs_out=str(docs), quality_tokens=300)
+    assert r["resolved"] == {"float32": "float32", "bfloat16": "bfloat16", "auto": "float32",   # an fp32 checkpoint
+                             "bfloat16+int8": "bfloat16+int8"}
+    q = r["quality"]["bfloat16+int8"]
+    assert q["tokens"] == 300 and 0 < q["greedy_agreement"] <= 1 and q["mean_kl"] >= 0
     assert all(r["median"][d][m] > 0 for d in r["dtypes"] for m in dtype_bench.METRICS)
     text = docs.read_text()
-    assert text.count(dtype_bench.DOC_BEGIN) == 1 and "auto (= float32)" in text
+    assert text.count(dtype_bench.DOC_BEGIN) == 1 and "auto (= float32)" in text and "greedy agreement" in text
     assert (tmp_path / "img" / "dtype_bench.png").stat().st_size > 1000

@@ -15,6 +15,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto",
                    help="weights and KV cache: auto (follow the checkpoint: bf16 where this device computes it "
                         "natively, else fp32), float32, bfloat16 or float16 (default: auto)")
+    p.add_argument("--quantization", default=None, choices=["int8"],
+                   help="quantize the projections' weights at load: int8 (per-channel, weight-only; half the "
+                        "memory of bf16) (default: none)")
     p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: all cores)")
     p.add_argument("--policy", default="pfsd", choices=["pfsd", "fcfs"], help="scheduler policy")
     p.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool size, MiB")
@@ -66,7 +69,8 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
 def _engine_config(args: argparse.Namespace):
     from sits.engine.config import EngineConfig
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
-                        policy=args.policy, kv_cache_memory_mb=args.kv_cache_mb, warmup=not args.no_warmup)
+                        policy=args.policy, kv_cache_memory_mb=args.kv_cache_mb, warmup=not args.no_warmup,
+                        quantization=args.quantization)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

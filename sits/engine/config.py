@@ -161,6 +161,7 @@ class EngineConfig:
     model: str
     device: str = "auto"                 # "cpu", "cuda", "cuda:1", or "auto"
     dtype: str = "auto"                  # weights and KV cache; auto follows the checkpoint (resolve_dtype)
+    quantization: str | None = None      # "int8": projections' weights quantized at load (engine/quantization.py)
     threads: int | None = None           # intra-op threads on CPU (None: all cores)
     block_size: int = 16                 # tokens per KV block
     num_kv_blocks: int | None = None     # None: derived from kv_cache_memory_mb
@@ -183,6 +184,8 @@ class EngineConfig:
             raise ValueError(f"kv_touch must be 'eager' or 'background', got {self.kv_touch!r}")
         if self.warmup_shapes not in ("all", "minimal"):
             raise ValueError(f"warmup_shapes must be 'all' or 'minimal', got {self.warmup_shapes!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be 'int8' or None, got {self.quantization!r}")
         if self.policy not in ("pfsd", "fcfs"):
             raise ValueError(f"policy must be 'pfsd' or 'fcfs', got {self.policy!r}")
         if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

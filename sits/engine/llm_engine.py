@@ -19,6 +19,7 @@ from sits.engine.block_pool import BlockPool
 from sits.engine.cold_start import ColdStartReport, process_age_s
 from sits.engine.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from sits.engine.host_memory import keep_step_buffers_in_heap
+from sits.engine.quantization import quantize_model
 from sits.engine.detokenizer import IncrementalDetokenizer
 from sits.engine.errors import EngineStepError, InvalidRequestError, NonFiniteLogitsError, SitsError
 from sits.engine.guided import vocabulary_for
@@ -97,6 +98,8 @@ class LLMEngine:
         with self.report.phase("weights"):
             self.model = preloaded.model if preloaded else load_model(cfg.model, self.model_config, self.device,
                                                                       self.dtype, self.max_model_len)
+            if cfg.quantization is not None:
+                quantize_model(self.model, cfg.quantization, self.dtype)
         with self.report.phase("tokenizer"):
             self.tokenizer = preloaded.tokenizer if preloaded else Tokenizer.from_dir(cfg.model)
         with self.report.phase("kv_allocation"):

@@ -83,6 +83,7 @@ class ResourcesSpec(_Strict):
     kv_cache_mb: int = Field(256, ge=1, description="KV pool size when kv_blocks is auto")
     max_model_len: int | None = Field(None, ge=16)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"   # auto: follow the checkpoint
+    quantization: Literal["int8"] | None = Field(None, description="int8: weight-only, per channel, at load")
     policy: Literal["pfsd", "fcfs"] = "pfsd"
     warmup: bool | Literal["all", "minimal"] = Field(
         "all", description="warm-up at start: all serving shapes, minimal (one prefill, one decode), or false")
@@ -178,7 +179,8 @@ class UnitSpec(_Strict):
                             num_kv_blocks=None if r.kv_blocks == "auto" else r.kv_blocks,
                             kv_cache_memory_mb=r.kv_cache_mb, max_model_len=r.max_model_len,
                             warmup=r.warmup is not False,
-                            warmup_shapes="minimal" if r.warmup == "minimal" else "all")
+                            warmup_shapes="minimal" if r.warmup == "minimal" else "all",
+                            quantization=r.quantization)
 
     def render_prompt(self, user_input: str) -> str:
         if self.prompt_template is None:
