@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
 
 import numpy as np
@@ -32,6 +32,7 @@ class Backend(Protocol):
     kv_capacity_tokens: int   # prompt + output of one request can never exceed this
     tokenizer: Tokenizer
     features: BackendFeatures  # SLO, tools, memory: declared, never probed
+    sampling_defaults: Mapping[str, float]   # the model's generation_config.json defaults (config.generation_defaults)
 
     @property
     def ready(self) -> bool: ...
@@ -73,6 +74,7 @@ class EngineBackend:
         self.kv_capacity_tokens = pool.num_blocks * pool.block_size
         self.tokenizer = engine.tokenizer
         self.features = NO_FEATURES
+        self.sampling_defaults = engine.engine.sampling_defaults
 
     @property
     def ready(self) -> bool:

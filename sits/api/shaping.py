@@ -10,6 +10,7 @@ not here: ``Backend.prepare`` does it once, against the serving engine's real li
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sits.api.backend import Backend
@@ -83,28 +84,37 @@ def encode_chat(backend: Backend, messages: list[dict], *, tools: list[ToolSpec]
 
 
 def default_max_tokens(backend: Backend, prompt_len: int) -> int:
-    """What a missing ``max_tokens`` means: the rest of the context and of the KV pool."""
+    """What a missing ``max_tokens`` means: the rest of the context and of the KV pool (at most the
+    model's own ``max_new_tokens`` default, when its generation config has one)."""
     room = min(backend.max_model_len, backend.kv_capacity_tokens) - prompt_len
     if room < 1:
         raise ContextLengthExceededError(
             f"this model's maximum context length is {backend.max_model_len} tokens and the prompt has "
             f"{prompt_len}: no room is left for output", param="messages")
-    return room
+    return min(room, int(backend.sampling_defaults.get("max_tokens", room)))
 
 
-def sampling_params(max_tokens: int, *, temperature: float | None = None, top_p: float | None = None,
+def sampling_params(max_tokens: int, *, defaults: Mapping[str, float] | None = None,
+                    temperature: float | None = None, top_p: float | None = None,
                     top_k: int | None = None, min_p: float | None = None, seed: int | None = None,
                     presence_penalty: float | None = None, frequency_penalty: float | None = None,
                     repetition_penalty: float | None = None, stop: str | list[str] | None = None,
                     stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
                     logprobs: int | None = None, grammar: str | None = None) -> SamplingParams:
-    """``SamplingParams`` from a request's fields, a ``None`` (the client sent null or nothing)
-    meaning the default; a negative ``top_k`` means no top-k, as in vLLM."""
+    """``SamplingParams`` from a request's fields. A ``None`` (the client sent null or nothing) takes
+    the model's default from ``defaults`` (its ``generation_config.json``, as vLLM applies it), else
+    the API's; a negative ``top_k`` means no top-k, as in vLLM."""
+    d = defaults or {}
+    temperature = d.get("temperature") if temperature is None else temperature
+    top_p = d.get("top_p") if top_p is None else top_p
+    top_k = d.get("top_k") if top_k is None else top_k
+    min_p = d.get("min_p") if min_p is None else min_p
+    repetition_penalty = d.get("repetition_penalty") if repetition_penalty is None else repetition_penalty
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
-        top_k=0 if top_k is None or top_k < 0 else top_k,
+        top_k=0 if top_k is None or top_k < 0 else int(top_k),
         min_p=min_p or 0.0,
         seed=seed,
         presence_penalty=presence_penalty or 0.0,

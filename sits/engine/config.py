@@ -190,3 +190,26 @@ class EngineConfig:
             raise ValueError(f"policy must be 'pfsd' or 'fcfs', got {self.policy!r}")
         if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be >= 1")
+
+
+# generation_config.json keys that are request defaults (as vLLM reads them), and their request names
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model: str | os.PathLike) -> dict[str, float]:
+    """The model author's sampling defaults from ``generation_config.json`` beside the weights (none for
+    a single model file), under request parameter names: applied where a request leaves one unset."""
+    path = Path(model) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    out: dict[str, float] = {}
+    for key, name in _GENERATION_DEFAULTS.items():
+        value = raw.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = int(value) if name in ("top_k", "max_tokens") else float(value)
+    return out

@@ -17,7 +17,7 @@ import torch
 
 from sits.engine.block_pool import BlockPool
 from sits.engine.cold_start import ColdStartReport, process_age_s
-from sits.engine.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from sits.engine.config import EngineConfig, ModelConfig, generation_defaults, resolve_device, resolve_dtype
 from sits.engine.host_memory import keep_step_buffers_in_heap
 from sits.engine.quantization import quantize_model
 from sits.engine.detokenizer import IncrementalDetokenizer
@@ -102,6 +102,7 @@ class LLMEngine:
                 quantize_model(self.model, cfg.quantization, self.dtype)
         with self.report.phase("tokenizer"):
             self.tokenizer = preloaded.tokenizer if preloaded else Tokenizer.from_dir(cfg.model)
+            self.sampling_defaults = generation_defaults(cfg.model)
         with self.report.phase("kv_allocation"):
             num_blocks = self.limits.num_kv_blocks
             self.kv_cache = KVCache(self.model_config, num_blocks, cfg.block_size, self.device, self.dtype,

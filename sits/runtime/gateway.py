@@ -24,7 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
-from sits.engine.config import ModelConfig
+from sits.engine.config import ModelConfig, generation_defaults
 from sits.engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestAbortedError, SitsError
 from sits.engine.messages import EngineRequest, EngineStats, TokenEvent
 from sits.engine.request_validator import RequestValidator, plan_limits
@@ -137,6 +137,7 @@ class UnitBackend:
             ttft_slo_ms=spec.slo.ttft_ms, tools=tuple(spec.tools), tool_dirs=dict(spec.tool_dirs),
             python_tools=spec.python_tools, memory_set=spec.memory.set if spec.memory else None,
             memory_top_k=spec.memory.top_k if spec.memory else DEFAULT_MEMORY_TOP_K)
+        self.sampling_defaults = generation_defaults(spec.model)
         self.host = host
         self.pool = UnitPool(spec, on_event=lambda kind, data: host.record(spec.name, kind, data),
                              launcher=host.launcher, tokenizer=self.tokenizer, limits=self.limits)

@@ -24,7 +24,7 @@ from dataclasses import asdict
 import numpy as np
 
 from sits.engine.async_engine import events_until_finished
-from sits.engine.config import EngineConfig
+from sits.engine.config import EngineConfig, generation_defaults
 from sits.engine.errors import DuplicateRequestError, EngineDeadError, ModelLoadError, RequestAbortedError, SitsError
 from sits.engine.messages import (AbortRequest, EmbedRequest, Embedded, EngineInput, EngineRequest, EngineStats, Fatal,
                                   FaultDirectives, Hello, Ping, Pong, Ready, RequestError, Shutdown, StepOutput,
@@ -50,6 +50,7 @@ class InstanceBackend:
         self.max_num_seqs = cfg.max_num_seqs
         self.tokenizer = tokenizer
         self.features = NO_FEATURES
+        self.sampling_defaults = generation_defaults(cfg.model)
         self.validator = RequestValidator(tokenizer, info.limits)
         self.kv_capacity_tokens = self.validator.kv_capacity_tokens
         self.cold_start = info.cold_start

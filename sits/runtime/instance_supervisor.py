@@ -43,6 +43,7 @@ class SupervisedInstance:
         self.created = first.created
         self.tokenizer = first.tokenizer
         self.features = NO_FEATURES
+        self.sampling_defaults = first.sampling_defaults
         self.backoff_s = backoff_s
         self.backoff_max_s = backoff_max_s
         self.restarts = 0               # new processes that came up

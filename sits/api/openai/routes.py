@@ -68,9 +68,9 @@ def completion_prompts(req: CompletionRequest, backend: Backend) -> list[str | l
     return [list(x) for x in p]
 
 
-def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None,
-              grammar: str | None = None) -> SamplingParams:
-    return sampling_params(max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+def _sampling(backend: Backend, body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+              logprobs: int | None, grammar: str | None = None) -> SamplingParams:
+    return sampling_params(max_tokens, defaults=backend.sampling_defaults, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                            min_p=body.min_p, seed=body.seed, presence_penalty=body.presence_penalty,
                            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                            stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
@@ -112,7 +112,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         if max_tokens is None and isinstance(p, str):
             p = backend.tokenizer.encode(p)      # tokenized once: its length sets the default max_tokens
         mt = max_tokens if max_tokens is not None else default_max_tokens(backend, len(p))
-        jobs.append((p, _sampling(body, mt, body.logprobs)))
+        jobs.append((p, _sampling(backend, body, mt, body.logprobs)))
     rid = new_request_id()
     gen = Generation(backend, ctx.metrics, ctx.inflight, rid, jobs, n=body.n, priority=body.priority,
                      interactive=True, accepted_at=accepted_at(request))
@@ -136,7 +136,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     if body.top_logprobs and not body.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs",
                                   code="invalid_parameter")
-    params = _sampling(body, max_tokens, logprobs, guidance.grammar)
+    params = _sampling(backend, body, max_tokens, logprobs, guidance.grammar)
     try:
         gen = Generation(backend, ctx.metrics, ctx.inflight, rid, [(ids, params)],
                          n=body.n, priority=body.priority, interactive=True, accepted_at=accepted_at(request))

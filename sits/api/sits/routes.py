@@ -152,8 +152,9 @@ def _default_unit(ctx: ServerContext) -> str:
 
 
 # -- execution ------------------------------------------------------------------------------------
-def _sampling(body: SitsRequest, max_tokens: int) -> SamplingParams:
-    return sampling_params(max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stop)
+def _sampling(backend: Backend, body: SitsRequest, max_tokens: int) -> SamplingParams:
+    return sampling_params(max_tokens, defaults=backend.sampling_defaults, temperature=body.temperature,
+                           top_p=body.top_p, seed=body.seed, stop=body.stop)
 
 
 @dataclass(slots=True)
@@ -195,7 +196,7 @@ async def _validate(ctx: ServerContext, body: SitsRequest, turn: SessionTurn | N
         except ToolError as e:
             raise InvalidRequestError(f"unit {backend.name!r}: {e.message}", param="allowed_tools",
                                       code=e.code) from None
-    params = _sampling(body, body.constraints.max_tokens)
+    params = _sampling(backend, body, body.constraints.max_tokens)
     if body.messages is None and turn is None and loop is None:
         shaped = await shape_text(ctx, backend, body.prompt or "", memory_ref=body.memory_ref, response_id=rid)
         return _Plan(backend, shaped.prompt, None, params, shaped.citations)
