@@ -38,8 +38,9 @@ class Backend(Protocol):
     def ready(self) -> bool: ...
 
     def prepare(self, prompt: str | list[int], params: SamplingParams, *, request_id: str,
-                priority: int = 0, interactive: bool = True) -> EngineRequest:
-        """Validate and tokenize (raises the typed SitsError); nothing is queued yet."""
+                priority: int = 0, interactive: bool = True, add_special_tokens: bool = True) -> EngineRequest:
+        """Validate and tokenize (raises the typed SitsError); nothing is queued yet. A text prompt
+        gets the tokenizer's special tokens (its BOS) unless ``add_special_tokens`` is false."""
 
     def stream(self, prepared: EngineRequest, hints: RequestHints | None = None) -> AsyncIterator[TokenEvent]:
         """Queue a prepared request; its token events until the finished one. Closing it aborts.
@@ -80,9 +81,10 @@ class EngineBackend:
     def ready(self) -> bool:
         return self.engine.alive
 
-    def prepare(self, prompt, params, *, request_id, priority=0, interactive=True) -> EngineRequest:
+    def prepare(self, prompt, params, *, request_id, priority=0, interactive=True,
+                add_special_tokens=True) -> EngineRequest:
         return self.engine.prepare(prompt, params, request_id=request_id, priority=priority,
-                                   interactive=interactive)
+                                   interactive=interactive, add_special_tokens=add_special_tokens)
 
     def stream(self, prepared: EngineRequest, hints: RequestHints | None = None) -> AsyncIterator[TokenEvent]:
         return self.engine.stream(prepared)

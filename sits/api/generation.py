@@ -83,7 +83,8 @@ class Generation:
 
     def __init__(self, backend: Backend, metrics: ServerMetrics, inflight: InflightRegistry,
                  request_id: str, jobs: list[tuple[str | list[int], SamplingParams]], *,
-                 n: int = 1, priority: int = 0, interactive: bool = True, accepted_at: float | None = None):
+                 n: int = 1, priority: int = 0, interactive: bool = True, accepted_at: float | None = None,
+                 add_special_tokens: bool = True):
         self.backend = backend
         self.metrics = metrics
         self.inflight = inflight
@@ -95,8 +96,8 @@ class Generation:
             for c in range(n):
                 idx = p_idx * n + c
                 sp = params if c == 0 else _with_seed(params, seed_for_choice(params.seed, c))
-                self.seqs.append(backend.prepare(prompt, sp, request_id=f"{request_id}-{idx}",
-                                                 priority=priority, interactive=interactive))
+                self.seqs.append(backend.prepare(prompt, sp, request_id=f"{request_id}-{idx}", priority=priority,
+                                                 interactive=interactive, add_special_tokens=add_special_tokens))
                 self.choices.append(ChoiceResult(idx, p_idx))
         self.prepared_at = time.monotonic()
         scope = tracing.current_scope.get()

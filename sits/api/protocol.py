@@ -71,6 +71,8 @@ class CompletionRequest(_SamplingFields):
         ..., description="a string, a list of strings, token ids, or a list of token-id lists")
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_special_tokens: bool = Field(True, description="a text prompt gets the tokenizer's special tokens (its BOS, "
+                                                       "when the tokenizer adds one), as in vLLM")
 
 
 class TextPart(_Body):
@@ -168,6 +170,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    add_special_tokens: bool = Field(False, description="also add the tokenizer's special tokens to the rendered "
+                                                        "conversation (its template usually spells them out)")
 
 
 MINILM = "all-minilm-l6-v2"    # the memory embedder, servable by name from /v1/embeddings

@@ -43,11 +43,12 @@ async def gather_conversation(ctx: ServerContext, backend: Backend, messages: li
 
 async def shape_chat(ctx: ServerContext, backend: Backend, messages: list[dict], *, turn: SessionTurn | None,
                      memory_ref: str | None, response_id: str, tools: list[ToolSpec] | None = None,
-                     add_generation_prompt: bool = True) -> ShapedPrompt:
+                     add_generation_prompt: bool = True, add_special_tokens: bool = False) -> ShapedPrompt:
     """A conversation: gathered (``gather_conversation``), rendered with ``tools`` and encoded."""
     messages, citations = await gather_conversation(ctx, backend, messages, turn=turn, memory_ref=memory_ref,
                                                     response_id=response_id)
-    ids = encode_chat(backend, messages, tools=tools, add_generation_prompt=add_generation_prompt)
+    ids = encode_chat(backend, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                      add_special_tokens=add_special_tokens)
     return ShapedPrompt(ids, messages, citations)
 
 
@@ -69,15 +70,16 @@ async def _recall(ctx: ServerContext, backend: Backend, memory_ref: str | None, 
 
 
 def encode_chat(backend: Backend, messages: list[dict], *, tools: list[ToolSpec] | None = None,
-                add_generation_prompt: bool = True) -> list[int]:
+                add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
     """The conversation rendered by the model's chat template and encoded (at most the context's
-    length: anything longer is refused by ``prepare`` with the real numbers)."""
+    length: anything longer is refused by ``prepare`` with the real numbers). The template spells
+    out its special tokens, so the tokenizer adds none unless asked (``add_special_tokens``)."""
     if len(messages) > backend.max_model_len:     # every message renders to a token at least
         raise ContextLengthExceededError(f"{len(messages)} messages cannot fit in this model's "
                                          f"{backend.max_model_len} tokens", param="messages")
     tok = backend.tokenizer
     ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools),
-                     max_tokens=backend.max_model_len)
+                     add_special_tokens=add_special_tokens, max_tokens=backend.max_model_len)
     if not ids:
         raise InvalidRequestError("the rendered conversation is empty", param="messages", code="empty_prompt")
     return ids

@@ -69,12 +69,13 @@ class AsyncEngine:
 
     # -- public API -----------------------------------------------------------------------------
     def prepare(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                request_id: str | None = None, priority: int = 0, interactive: bool = True) -> EngineRequest:
+                request_id: str | None = None, priority: int = 0, interactive: bool = True,
+                add_special_tokens: bool = True) -> EngineRequest:
         """Validate and tokenize a request without queueing it (raises the typed SitsError)."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop has died: {self._dead!r}")
         req = self.engine.make_request(prompt, params, request_id=request_id, priority=priority,
-                                       interactive=interactive)
+                                       interactive=interactive, add_special_tokens=add_special_tokens)
         if req.request_id in self._streams:
             raise DuplicateRequestError(f"request id {req.request_id!r} is already in use",
                                         param="request_id")

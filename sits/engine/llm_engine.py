@@ -126,10 +126,11 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                     request_id: str | None = None, priority: int = 0, interactive: bool = True) -> EngineRequest:
+                     request_id: str | None = None, priority: int = 0, interactive: bool = True,
+                     add_special_tokens: bool = True) -> EngineRequest:
         """Validate and tokenize a request (no engine state touched: safe from any thread)."""
         params = params or SamplingParams()
-        ids = self.validator.prompt_ids(prompt, params, priority)
+        ids = self.validator.prompt_ids(prompt, params, priority, add_special_tokens=add_special_tokens)
         return EngineRequest(request_id or f"req-{next(self._ids)}", ids, params, priority, interactive)
 
     def add(self, req: EngineRequest) -> Sequence:

@@ -48,12 +48,15 @@ class RequestValidator:
     def kv_capacity_tokens(self) -> int:
         return self.limits.kv_capacity_tokens
 
-    def prompt_ids(self, prompt: str | list[int], params: SamplingParams, priority: int = 0) -> list[int]:
-        """Token ids of ``prompt``, or the typed error saying what to change."""
+    def prompt_ids(self, prompt: str | list[int], params: SamplingParams, priority: int = 0, *,
+                   add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``prompt``, or the typed error saying what to change. A text prompt gets the
+        tokenizer's own special tokens (e.g. Llama's BOS) unless ``add_special_tokens`` is false, as
+        Hugging Face and vLLM encode a completion prompt."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty", param="prompt", code="empty_prompt")
-            ids = self.tokenizer.encode(prompt, max_tokens=self.max_model_len)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens, max_tokens=self.max_model_len)
         else:
             ids = list(prompt)
             vocab = self.vocab_size

@@ -214,10 +214,10 @@ class UnitBackend:
         return True      # a unit accepts requests at any scale; a cold one makes them wait
 
     def prepare(self, prompt: str | list[int], params: SamplingParams, *, request_id: str, priority: int = 0,
-                interactive: bool = True) -> EngineRequest:
+                interactive: bool = True, add_special_tokens: bool = True) -> EngineRequest:
         if isinstance(prompt, str) and self.spec.prompt_template is not None:
             prompt = self.spec.render_prompt(prompt)
-        ids = self.validator.prompt_ids(prompt, params, priority)
+        ids = self.validator.prompt_ids(prompt, params, priority, add_special_tokens=add_special_tokens)
         if request_id in self._placed or request_id in self._waiters:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id",
                                       code="duplicate_request_id")

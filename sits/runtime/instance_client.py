@@ -143,10 +143,10 @@ class InstanceBackend:
         return self._dead is None and not self._closing and self.proc.poll() is None
 
     def prepare(self, prompt: str | list[int], params: SamplingParams, *, request_id: str, priority: int = 0,
-                interactive: bool = True) -> EngineRequest:
+                interactive: bool = True, add_special_tokens: bool = True) -> EngineRequest:
         if self._dead is not None:
             raise EngineDeadError(f"the instance of {self.name} is gone: {self._dead}")
-        ids = self.validator.prompt_ids(prompt, params, priority)
+        ids = self.validator.prompt_ids(prompt, params, priority, add_special_tokens=add_special_tokens)
         if request_id in self._streams:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use", param="request_id")
         return EngineRequest(request_id, ids, params, priority, interactive)

@@ -91,7 +91,7 @@ class SupervisedInstance:
 
     # -- the Backend API --------------------------------------------------------------------------------
     def prepare(self, prompt: str | list[int], params: SamplingParams, *, request_id: str, priority: int = 0,
-                interactive: bool = True) -> EngineRequest:
+                interactive: bool = True, add_special_tokens: bool = True) -> EngineRequest:
         if self.restarting:
             cause = f" (last start failed: {self.last_start_error})" if self.last_start_error else ""
             err = EngineRestartingError(f"the engine of {self.name} died ({self.last_death}) and is restarting"
@@ -99,7 +99,7 @@ class SupervisedInstance:
             err.retry_after_s = 1
             raise err
         return self.current.prepare(prompt, params, request_id=request_id, priority=priority,
-                                    interactive=interactive)
+                                    interactive=interactive, add_special_tokens=add_special_tokens)
 
     def stream(self, prepared: EngineRequest, hints=None) -> AsyncIterator[TokenEvent]:
         return self.current.stream(prepared)

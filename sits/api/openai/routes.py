@@ -110,12 +110,13 @@ async def create_completion(body: CompletionRequest, request: Request):
     jobs = []
     for p in prompts:
         if max_tokens is None and isinstance(p, str):
-            p = backend.tokenizer.encode(p)      # tokenized once: its length sets the default max_tokens
+            # tokenized once: its length sets the default max_tokens
+            p = backend.tokenizer.encode(p, add_special_tokens=body.add_special_tokens, max_tokens=backend.max_model_len)
         mt = max_tokens if max_tokens is not None else default_max_tokens(backend, len(p))
         jobs.append((p, _sampling(backend, body, mt, body.logprobs)))
     rid = new_request_id()
     gen = Generation(backend, ctx.metrics, ctx.inflight, rid, jobs, n=body.n, priority=body.priority,
-                     interactive=True, accepted_at=accepted_at(request))
+                     interactive=True, accepted_at=accepted_at(request), add_special_tokens=body.add_special_tokens)
     return await _respond(request, gen, CompletionChunks(f"cmpl-{rid}", backend, gen, body))
 
 
@@ -129,7 +130,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     guidance = chat_guidance(body)
     shaped = await shape_chat(ctx, backend, [m.as_dict() for m in body.messages], turn=turn,
                               memory_ref=body.memory_ref, response_id=f"chatcmpl-{rid}",
-                              tools=guidance.tools or None, add_generation_prompt=body.add_generation_prompt)
+                              tools=guidance.tools or None, add_generation_prompt=body.add_generation_prompt,
+                              add_special_tokens=body.add_special_tokens)
     ids = shaped.prompt
     max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens(backend, len(ids))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
