@@ -1,0 +1,247 @@
+"""A deployed unit: what it is (spec, instance pool, autoscaler, SLA breaker, faults, status) behind
+the HTTP layer's ``Backend`` API.
+
+It validates and tokenizes in the gateway (with the unit's tokenizer, loaded at deploy time, so a
+unit at zero instances still answers 4xx for bad input at once, against the limits every instance
+will report). Which instance serves a request is its ``UnitDispatcher``'s business.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from sits.engine.config import ModelConfig, generation_defaults
+from sits.engine.errors import InvalidRequestError, ModelLoadError, SitsError
+from sits.engine.messages import EngineRequest, EngineStats, TokenEvent
+from sits.engine.request_validator import RequestValidator, plan_limits
+from sits.engine.sampling_params import SamplingParams
+from sits.engine.tokenizer import Tokenizer
+from sits.faults import FaultInjector, FaultsSpec
+from sits.runtime.autoscaler import Autoscaler, ScaleDecision
+from sits.runtime.sla import BreakerState, SlaBreaker, SlaBreakerOpenError
+from sits.runtime.unit_metrics import CpuMeter, MetricsWindow
+from sits.runtime.unit_pool import UnitPool
+from sits.runtime.unit_spec import UnitSpec
+from sits.runtime.features import DEFAULT_MEMORY_TOP_K, BackendFeatures
+from sits.runtime.hints import RequestHints
+from sits.runtime.host_fit import check_fits_host
+from sits.runtime.router import Router
+from sits.runtime.dispatcher import UnitDispatcher
+
+if TYPE_CHECKING:
+    from sits.runtime.gateway import UnitHost
+
+log = logging.getLogger("sits.runtime")
+
+
+class UnitBackend:
+    def __init__(self, spec: UnitSpec, host: "UnitHost"):
+        self.spec = spec
+        self.name = spec.name
+        self.root = spec.model
+        self.created = int(time.time())
+        if not os.path.isdir(spec.model):
+            raise InvalidRequestError(f"unit {spec.name}: model directory {spec.model} does not exist",
+                                      param="model", code="model_dir_not_found")
+        try:
+            mc = ModelConfig.from_dir(spec.model)
+            self.tokenizer = Tokenizer.from_dir(spec.model)
+        except ModelLoadError as e:      # a unit that cannot load is the deployer's input error
+            raise InvalidRequestError(f"unit {spec.name}: {e.message}", param="model", code=e.code) from None
+        check_fits_host(spec, mc)
+        # what every instance of this unit will report in its Ready (checked there): requests are
+        # validated once, here, against them
+        self.limits = plan_limits(spec.engine_config(), mc)
+        self.max_model_len = self.limits.max_model_len
+        self.validator = RequestValidator(self.tokenizer, self.limits)
+        self.kv_capacity_tokens = self.limits.kv_capacity_tokens
+        self.ingested: dict | None = None
+        self.features = BackendFeatures(
+            ttft_slo_ms=spec.slo.ttft_ms, tools=tuple(spec.tools), tool_dirs=dict(spec.tool_dirs),
+            python_tools=spec.python_tools, memory_set=spec.memory.set if spec.memory else None,
+            memory_top_k=spec.memory.top_k if spec.memory else DEFAULT_MEMORY_TOP_K)
+        self.sampling_defaults = generation_defaults(spec.model)
+        self.host = host
+        self.pool = UnitPool(spec, on_event=lambda kind, data: host.record(spec.name, kind, data),
+                             launcher=host.launcher, tokenizer=self.tokenizer, limits=self.limits)
+        self.autoscaler = Autoscaler(spec.scale, spec.slo)
+        self.window = MetricsWindow(spec.scale.window_s)
+        self.cpu = CpuMeter()
+        self.last_decision: ScaleDecision | None = None
+        self.breaker = SlaBreaker(spec.sla, spec.slo.ttft_ms, on_transition=self._breaker_moved)
+        self.fallbacks = 0                        # requests sent to the fallback unit while open
+        self.faults = FaultInjector(spec.faults or FaultsSpec())
+        self._directed: dict[str, object] = {}    # instance id -> the fault directives it was sent
+        self._past_fault_hits: collections.Counter = collections.Counter()
+        self.dispatcher = UnitDispatcher(self)
+
+    @property
+    def fault_hits(self) -> collections.Counter:
+        """Times each fault kind acted on this unit, over every fault set it had (for metrics)."""
+        return self._past_fault_hits + self.faults.hits
+
+    # -- the SLA guard and faults ---------------------------------------------------------------------
+    def _breaker_moved(self, frm: BreakerState, to: BreakerState, why: str) -> None:
+        self.host.record(self.name, "breaker", {"from": frm.value, "to": to.value, "reason": why})
+        (log.warning if to is BreakerState.OPEN else log.info)("unit %s: SLA breaker %s -> %s (%s)",
+                                                                self.name, frm.value, to.value, why)
+
+    def admit(self) -> "UnitBackend":
+        """This unit if its breaker lets the request through, else its fallback unit, else a fast 503."""
+        if self.breaker.admits():
+            return self
+        self.breaker.rejected += 1
+        fb = self.host.unit(self.spec.fallback) if self.spec.fallback else None
+        if fb is not None and fb is not self and fb.breaker.admits():
+            self.fallbacks += 1
+            return fb
+        err = SlaBreakerOpenError(
+            f"unit {self.name} is shedding load: its SLA breaker is open (success rate below "
+            f"{self.spec.sla.success_rate:g} over the last {self.spec.sla.window_s:g}s)"
+            + ("" if not self.spec.fallback else f" and its fallback {self.spec.fallback!r} cannot take it"),
+            param="model")
+        err.retry_after_s = self.breaker.retry_after_s()
+        raise err
+
+    def set_faults(self, spec: FaultsSpec | None) -> None:
+        """Replace this unit's faults (admin endpoint); instances get the new directives at once."""
+        self._past_fault_hits.update(self.faults.hits)
+        self.faults = FaultInjector(spec or FaultsSpec())
+        self.host.record(self.name, "faults", {"inject": [f.kind for f in self.faults.spec.inject],
+                                                  "enabled": self.faults.spec.enabled, "seed": self.faults.spec.seed})
+        self.direct_instances()
+
+    def direct_instances(self) -> None:
+        """Send each READY instance its fault directives when they changed (none: an empty set)."""
+        ready = self.pool.ready()
+        for gone in set(self._directed) - {i.id for i in ready}:
+            del self._directed[gone]
+        for inst in ready:
+            d = self.faults.directives_for(inst.id)
+            if self._directed.get(inst.id) != d:
+                if not (d.empty and inst.id not in self._directed):
+                    inst.backend.send_directives(d.to_dict())
+                    if not d.empty:
+                        self.host.record(self.name, "fault_directives", {"instance": inst.id, **d.to_dict()})
+                self._directed[inst.id] = d
+
+    # -- the Backend API ------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return True      # a unit accepts requests at any scale; a cold one makes them wait
+
+    def prepare(self, prompt: str | list[int], params: SamplingParams, *, request_id: str, priority: int = 0,
+                interactive: bool = True, add_special_tokens: bool = True) -> EngineRequest:
+        if isinstance(prompt, str) and self.spec.prompt_template is not None:
+            prompt = self.spec.render_prompt(prompt)
+        ids = self.validator.prompt_ids(prompt, params, priority, add_special_tokens=add_special_tokens)
+        if self.dispatcher.in_use(request_id):
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id",
+                                      code="duplicate_request_id")
+        return EngineRequest(request_id, ids, params, priority, interactive)
+
+    def stream(self, seq: EngineRequest, hints: RequestHints | None = None) -> AsyncIterator[TokenEvent]:
+        """Which instance serves it, with failover as a resume: the dispatcher's (``dispatcher.py``)."""
+        return self.dispatcher.stream(seq, hints)
+
+    def abort(self, request_id: str, error: SitsError | None = None) -> None:
+        self.dispatcher.abort(request_id, error)
+
+    async def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        return await self.dispatcher.embed(inputs)
+
+    def session_instance(self, session_id: str) -> str | None:
+        """Where the session's last request ran (recorded in the session for affinity)."""
+        return self.dispatcher.router.instance_of(session_id)
+
+    # -- request accounting the autoscaler reads (kept by the dispatcher) ----------------------------
+    @property
+    def waiting(self) -> int:
+        return self.dispatcher.waiting
+
+    @property
+    def inflight(self) -> int:
+        return self.dispatcher.inflight
+
+    @property
+    def idle_since(self) -> float | None:
+        return self.dispatcher.idle_since
+
+    @idle_since.setter
+    def idle_since(self, value: float | None) -> None:
+        self.dispatcher.idle_since = value
+
+    @property
+    def router(self) -> Router:
+        return self.dispatcher.router
+
+    @property
+    def routed(self) -> collections.Counter:
+        return self.dispatcher.routed
+
+    def stats(self) -> EngineStats:
+        return self._aggregate([i.backend.stats() for i in self.pool.ready()])
+
+    def _aggregate(self, ready: list[EngineStats]) -> EngineStats:
+        if not ready:
+            return EngineStats(self.waiting, 0, 0.0, 0, 0, 0, 0, 0.0, 0, 0, self.spec.resources.policy,
+                               self.pool.last_cold_start())
+        blocks = sum(s.num_kv_blocks for s in ready)
+        free = sum(s.num_free_blocks for s in ready)
+        queries = sum(s.prefix_queries for s in ready)
+        hits = sum(s.prefix_hits for s in ready)
+        return EngineStats(sum(s.num_waiting for s in ready) + self.waiting, sum(s.num_running for s in ready),
+                           1.0 - free / blocks if blocks else 0.0, blocks, free, queries, hits,
+                           hits / queries if queries else 0.0, sum(s.num_preemptions for s in ready),
+                           sum(s.num_steps for s in ready), self.spec.resources.policy,
+                           self.pool.last_cold_start())
+
+    # -- scaling --------------------------------------------------------------------------------------
+    def tick(self, now: float) -> ScaleDecision:
+        ready = self.pool.ready()
+        per = [i.backend.stats() for i in ready]
+        st = self._aggregate(per)
+        cpu = self.cpu.read([i.pid for i in ready if i.pid])
+        gpus = [s.gpu_util for s in per if s.gpu_util is not None]
+        m = self.window.snapshot(queue_depth=st.num_waiting, inflight=self.inflight, cpu_util=cpu,
+                                 gpu_util=sum(gpus) / len(gpus) if gpus else None,
+                                 kv_util=st.kv_usage if st.num_kv_blocks else None)
+        d = self.autoscaler.decide(m, current=self.pool.desired, starting=len(self.pool.starting()), now=now,
+                                   idle_since=self.idle_since)
+        self.last_decision = d
+        if d.target != self.pool.desired:
+            self.host.record(self.name, "scale", {"from": d.current, "to": d.target, "reason": d.reason,
+                                                     "slo_health": d.health, "direction": d.direction})
+            log.info("unit %s: scale %d -> %d (%s)", self.name, d.current, d.target, d.reason)
+            self.pool.scale_to(d.target, d.reason, urgent=d.current == 0 and self.waiting > 0)
+        else:
+            self.pool.reconcile(d.reason)        # replaces crashed instances
+        if self.faults.active or self._directed:
+            self.direct_instances()
+        return d
+
+    def view(self) -> dict:
+        d = self.last_decision
+        m = self.window.snapshot(queue_depth=self.waiting, inflight=self.inflight)
+        return {
+            "name": self.name, "model": self.spec.model, "desired": self.pool.desired,
+            "instances": [i.view() for i in self.pool.instances], "waiting": self.waiting, "inflight": self.inflight,
+            "metrics": {"ttft_p95_ms": m.ttft_p95, "itl_p95_ms": m.itl_p95, "rps": round(m.rps, 3),
+                        "tps": round(m.tps, 3)},
+            "slo_health": d.health if d else None, "last_decision": None if d is None else
+            {"from": d.current, "to": d.target, "reason": d.reason},
+            "starts": self.pool.starts, "crashes": self.pool.crashes, "start_failure": self.pool.failure_view(),
+            "routed": dict(self.routed),
+            "cold_start": self.pool.last_cold_start(),
+            "memory": None if self.spec.memory is None else {**self.spec.memory.model_dump(), "ingested": self.ingested},
+            "sla": self.breaker.view() | {"fallback": self.spec.fallback, "fallbacks": self.fallbacks},
+            "faults": self.faults.view() if self.faults.spec.inject else None,
+            "spec": self.spec.model_dump(),
+        }
