@@ -91,8 +91,10 @@ def test_background_touched_kv_pool_reads_as_zeros():
     import torch
 
     from sits.engine.config import ModelConfig
+    from sits.engine.host_memory import keep_step_buffers_in_heap
     from sits.engine.kv_cache import KVCache
 
+    keep_step_buffers_in_heap()     # as in every CPU engine: 64 MiB would otherwise come from the heap
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                       max_position_embeddings=64)

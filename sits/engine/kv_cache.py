@@ -10,6 +10,8 @@ weight, and 0 x NaN (uninitialised memory) would poison the whole row.
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import torch
 
@@ -56,7 +58,11 @@ class KVCache:
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor whose pages are not touched yet (numpy's zeros is calloc: for large sizes the
-    kernel's zero pages, mapped on first access; torch.zeros writes every page)."""
+    """A zero CPU tensor whose pages are not touched yet: an anonymous mapping of its own (the kernel's
+    zero pages, mapped on first access), whatever the allocator's thresholds (``host_memory`` keeps
+    allocations of this size in the heap, where calloc would write every page)."""
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.from_numpy(np.frombuffer(region, dtype=np.uint8)).view(dtype).view(shape)
