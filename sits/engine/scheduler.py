@@ -14,8 +14,10 @@ preempted.
   priority, predicted output length, memory headroom, minus an aging credit so nothing starves.
 Under KV pressure the lowest-priority running request is preempted and later recomputed.
 
-Blocks are the ``KVCacheManager``'s business: the scheduler asks it for room and tells it what was
-computed, and never touches a block table or a hash itself.
+Both share one step (``Scheduler.schedule``: the running lane, then one admission loop); a policy
+(``sched_policy.py``) only orders the candidates, picks the preemption victim and says which
+admissions fit. Blocks are the ``KVCacheManager``'s business: the scheduler asks it for room and
+tells it what was computed, and never touches a block table or a hash itself.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from sits.engine.block_pool import BlockPool
 from sits.engine.config import EngineConfig
 from sits.engine.kv_cache_manager import KVCacheManager
+from sits.engine.sched_policy import policy_named
 from sits.engine.sequence import Sequence, SequenceStatus
 
 # RAAP weights, in seconds of estimated service time (the unit the aging credit is paid in).
@@ -94,6 +97,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.model = ThroughputModel()
         self.num_preemptions = 0
+        self.policy = policy_named(cfg.policy)
 
     # -- queue management -----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -152,29 +156,52 @@ class Scheduler:
         batch.add(seq, n)
         return n
 
-    # -- policies -------------------------------------------------------------------------------
+    # -- one step -------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
-        return self._schedule_pfsd() if self.cfg.policy == "pfsd" else self._schedule_fcfs()
-
-    def _schedule_fcfs(self) -> ScheduledBatch:
+        """The running lane, then one admission loop; the policy orders both (``sched_policy.py``)."""
+        policy = self.policy
         batch = ScheduledBatch()
         budget = self.cfg.max_num_batched_tokens
-        for seq in list(self.running):
-            if budget == 0:
+        now = time.monotonic()
+        past_budget = policy.decodes_past_budget
+
+        def victim() -> Sequence:
+            return policy.victim(self, now)
+
+        for seq in policy.running_lane(self, budget, now):
+            if budget <= 0 and not past_budget:
                 break
             if seq.status is not SequenceStatus.RUNNING:      # preempted earlier in this loop
                 continue
-            n = min(seq.num_remaining, budget)
-            if self._grow_or_preempt(seq, n, batch, lambda: self.running[-1]):    # the newest goes first
+            n = min(seq.num_remaining, max(1, budget) if past_budget else budget)
+            if self._grow_or_preempt(seq, n, batch, victim):
                 batch.add(seq, n)
                 budget -= n
-        if batch.preempted:
-            return batch                                       # no admissions while under pressure
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            n = self._admit(self.waiting[0], budget, batch)
-            if n == 0:
+        if batch.preempted and not policy.admits_under_pressure:
+            return batch
+        admission = policy.admission(self, now)
+        for seq in admission.candidates:
+            if budget <= 0:
                 break
+            if seq in batch.preempted:
+                continue
+            if seq.status is SequenceStatus.RUNNING:          # a running prefill's next chunk
+                n = min(seq.num_remaining, budget)
+                if self.kv.allocate(seq, n):
+                    batch.add(seq, n)
+                    budget -= n
+                continue
+            if len(self.running) >= self.cfg.max_num_seqs or not admission.fits(seq):
+                if policy.head_of_line:
+                    break
+                continue
+            n = self._admit(seq, budget, batch)
+            if n == 0:
+                if policy.head_of_line:
+                    break
+                continue
             budget -= n
+            admission.admitted(seq)
         return batch
 
     def priority_key(self, seq: Sequence, now: float) -> float:
@@ -189,7 +216,7 @@ class Scheduler:
             score += NO_HEADROOM_PENALTY_S
         return score - self.cfg.aging_per_s * (now - seq.arrival_time)
 
-    def _decode_reserve(self) -> int:
+    def decode_reserve(self) -> int:
         """Blocks the running streams are predicted to still need (the decode window's headroom)."""
         m = self.model
         reserve = 0
@@ -198,57 +225,7 @@ class Scheduler:
             reserve += self.kv.missing_blocks(seq, total)
         return reserve
 
-    def _schedule_pfsd(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
-        budget = self.cfg.max_num_batched_tokens
-        now = time.monotonic()
-
-        # Decode lane: every running stream with one token to compute, most important first.
-        decodes = [s for s in self.running if not s.is_prefill]
-        decodes.sort(key=lambda s: self.priority_key(s, now))
-        # The decode lane yields to waiting prefills down to half the budget (never below the minimum).
-        prefill_waiting = bool(self.waiting) or len(decodes) < len(self.running)
-        window = max(self.cfg.min_decode_window, budget // 2) if prefill_waiting else len(decodes)
-        for seq in decodes[:window]:
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            n = min(seq.num_remaining, max(1, budget))   # 1, or 1 + tokens a grammar forced (jump-forward)
-            if self._grow_or_preempt(seq, n, batch, lambda: self._lowest_priority(now)):
-                batch.add(seq, n)
-                budget -= n
-
-        # Prefill lane: running partial prefills and waiting requests compete in RAAP order.
-        partial = [s for s in self.running if s.is_prefill and s.status is SequenceStatus.RUNNING]
-        candidates = sorted(partial + self.waiting, key=lambda s: self.priority_key(s, now))
-        reserve = self._decode_reserve()
-        for seq in candidates:
-            if budget <= 0:
-                break
-            if seq in batch.preempted:
-                continue
-            if seq.status is SequenceStatus.RUNNING:
-                n = min(seq.num_remaining, budget)
-                if not self.kv.allocate(seq, n):
-                    continue
-                batch.add(seq, n)
-                budget -= n
-                continue
-            if len(self.running) >= self.cfg.max_num_seqs:
-                continue
-            # Admission keeps the decode window's headroom unless nothing else is running.
-            if self.running:
-                need = self.kv.blocks_needed(min(seq.num_tokens + self.model.predicted_output(seq),
-                                                 self.max_model_len))
-                if need + reserve > self.kv.num_free + len(seq.block_table):
-                    continue
-            n = self._admit(seq, budget, batch)
-            if n:
-                budget -= n
-                reserve += self.kv.blocks_needed(seq.num_tokens + self.model.predicted_output(seq)) \
-                    - len(seq.block_table)
-        return batch
-
-    def _lowest_priority(self, now: float) -> Sequence:
+    def lowest_priority(self, now: float) -> Sequence:
         return max(self.running, key=lambda s: (self.priority_key(s, now), s.arrival_time))
 
     # -- after the forward pass -----------------------------------------------------------------
