@@ -83,3 +83,34 @@ def test_the_end_of_the_connection_is_told_once_with_a_reason(corrupt, loop_fact
 
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(main())
+
+
+def test_engine_messages_travel_as_msgpack_and_anything_else_pickled():
+    import numpy as np
+
+    from sits.bench.wire_bench import _messages
+    from sits.engine.messages import (AbortRequest, Embedded, EngineLimits, Fatal, FaultDirectives, Hello, Ping,
+                                      Pong, Ready, RequestError, Shutdown)
+    from sits.runtime.wire import FrameDecoder, encode
+
+    typed = list(_messages().values()) + [AbortRequest("r"), Ping(4), Pong(4), Shutdown(), Hello(7),
+                                          FaultDirectives((1.0, 2.0), 0.5, True), Fatal("c", "m"),
+                                          Ready(7, EngineLimits(10, 20, 16, 8), {"phases_ms": {"weights": 1.5}}, True),
+                                          RequestError("r", "c", "m", None, 400)]
+    other = [("preload", {"model": "m"}), Embedded("e", np.arange(6, dtype=np.float32).reshape(2, 3))]
+    stream = b"".join(encode(m) for m in typed + other)
+    decoder, got = FrameDecoder(), []
+    for i in range(0, len(stream), 7):                 # arbitrary chunking
+        got += decoder.feed(stream[i:i + 7])
+    assert got[:len(typed)] == typed and all(type(a) is type(b) for a, b in zip(got, typed))
+    assert got[len(typed)] == other[0] and np.array_equal(got[-1].vectors, other[1].vectors)
+    assert encode(typed[1])[4] != 0 and encode(other[0])[4] == 0       # codec tags: msgpack, pickle
+
+
+def test_wire_bench_measures_both_codecs(tmp_path):
+    from sits.bench import wire_bench
+    docs = tmp_path / "benchmarks.md"
+    r = wire_bench.run_wire_bench(rounds=1, seconds=0.01, docs_out=str(docs))
+    assert r["codecs"] == ["pickle", "msgspec"]
+    assert all(r["median_us"][c][m] > 0 for c in r["codecs"] for m in r["messages"])
+    assert docs.read_text().count(wire_bench.DOC_BEGIN) == 1

@@ -1,8 +1,11 @@
-"""Frames between a front end and an instance process over a Unix socket.
+"""Frames between a front end and an instance process (or the zygote) over a Unix socket.
 
-A frame is a 4-byte big-endian length and a pickled tuple ``(kind, *fields)``. Pickle is safe here
-because both ends are SITS processes of the same user and the socket lives in a 0700 directory;
-it is also the fastest codec for the slotted dataclasses (TokenEvent, EngineStats) that cross it.
+A frame is a 4-byte big-endian length, a 1-byte codec tag and the body. The engine's messages
+(``sits.engine.messages``: a request per request, a ``StepOutput`` per step) are MessagePack by
+msgspec with a typed decoder per message type, as in vLLM: 3 to 6 times faster than pickle for
+them (``sits bench wire``). Anything else (the zygote's control tuples, embeddings' arrays) is
+pickled; that is safe here because both ends are SITS processes of the same user and the socket
+lives in a 0700 directory.
 """
 
 from __future__ import annotations
@@ -12,13 +15,32 @@ import pickle
 import socket
 import struct
 
+import msgspec
+
+from sits.engine.messages import (AbortRequest, EngineRequest, EngineStats, Fatal, FaultDirectives, Hello, Ping,
+                                  Pong, Ready, RequestError, Shutdown, StepOutput)
+
 _LEN = struct.Struct(">I")
 MAX_FRAME = 256 << 20
+_PICKLE = 0
+# tag -> type for msgspec; the order is the wire format (append only)
+_TYPED = (EngineRequest, StepOutput, AbortRequest, EngineStats, RequestError, Ping, Pong, FaultDirectives,
+          Shutdown, Hello, Ready, Fatal)
+_TAG = {t: i + 1 for i, t in enumerate(_TYPED)}
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {i + 1: msgspec.msgpack.Decoder(t) for i, t in enumerate(_TYPED)}
 
 
-def encode(msg: tuple) -> bytes:
-    body = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    return _LEN.pack(len(body)) + body
+def encode(msg: object) -> bytes:
+    tag = _TAG.get(type(msg), _PICKLE)
+    body = _ENCODER.encode(msg) if tag else pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LEN.pack(len(body) + 1) + bytes((tag,)) + body
+
+
+def decode(frame: bytes | memoryview) -> object:
+    """One frame's body (after the length) back into its message."""
+    tag, body = frame[0], frame[1:]
+    return _DECODERS[tag].decode(body) if tag else pickle.loads(body)
 
 
 class FrameDecoder:
@@ -36,7 +58,7 @@ class FrameDecoder:
                 raise ValueError(f"frame of {n} bytes exceeds {MAX_FRAME}")
             if len(self._buf) < 4 + n:
                 break
-            out.append(pickle.loads(bytes(self._buf[4:4 + n])))
+            out.append(decode(bytes(self._buf[4:4 + n])))
             del self._buf[:4 + n]
         return out
 
@@ -111,7 +133,7 @@ class FrameProtocol(asyncio.Protocol):
         return True
 
 
-def send_blocking(sock: socket.socket, msg: tuple) -> None:
+def send_blocking(sock: socket.socket, msg: object) -> None:
     sock.sendall(encode(msg))
 
 
@@ -120,4 +142,4 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple:
     (n,) = _LEN.unpack(await reader.readexactly(4))
     if n > MAX_FRAME:
         raise ValueError(f"frame of {n} bytes exceeds {MAX_FRAME}")
-    return pickle.loads(await reader.readexactly(n))
+    return decode(await reader.readexactly(n))
