@@ -98,7 +98,10 @@ def _markdown(r: dict, command: str) -> str:
     head += " | pickle / msgspec time |" if "msgspec" in codecs else " |"
     lines = [DOC_BEGIN, "## The process boundary's encoding (`sits bench wire`)", "", f"Command: `{command}`  ",
              f"Encode + decode of one message, in-process, medians of {r['rounds']} rounds with the codecs "
-             "taking turns; msgspec = MessagePack with a typed decoder per message type.", "",
+             "taking turns; msgspec = MessagePack with a typed decoder per message type. Chosen by this: "
+             "`runtime/wire.py` sends the engine's messages with msgspec (pickle only for the zygote's control "
+             "tuples and embeddings' arrays); the served overhead with it is in the serve benchmark's old-vs-new run.",
+             "",
              head, "|" + "---|" * (head.count("|") - 1)]
     for m in r["messages"]:
         row = f"| {m} | " + " | ".join(f"{med[c][m]:.1f} | {r['bytes'][c][m]}" for c in codecs)
