@@ -97,3 +97,41 @@ def test_weights_are_zero_copy_views_of_the_mapped_file(tiny_model_dir):
     assert not w.untyped_storage().resizable()          # frombuffer storage over the mapping
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert set(f.header) >= {"model.embed_tokens.weight"}
+
+
+@pytest.mark.parametrize("variant, extra", [
+    ("llama-attention-and-mlp-bias", ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True))),
+    ("qwen2-yarn", ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1}))),
+])
+def test_biases_and_yarn_match_transformers(tmp_path, variant, extra):
+    """Llama's attention_bias puts a bias on o_proj too and mlp_bias on the MLP; Qwen2.5's yarn rope."""
+    VARIANTS[variant] = extra
+    try:
+        hf = _save_hf(tmp_path, variant)
+    finally:
+        del VARIANTS[variant]
+    cfg = ModelConfig.from_dir(tmp_path)
+    ours = load_model(tmp_path, cfg, torch.device("cpu"), torch.float32, cfg.max_position_embeddings)
+    ids = torch.randint(0, BASE["vocab_size"], (2, 200), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        ref = hf(input_ids=ids).logits.float()
+        got = ours.forward_dense(ids)
+    assert (ref - got).abs().max().item() <= 1e-4
+
+
+def test_a_sliding_window_caps_the_context_until_windowed_attention_lands(tmp_path):
+    """Mistral's sliding_window: within the window full attention is exact, so the context is capped at
+    it rather than silently diverging past it; Qwen2's window only counts when use_sliding_window."""
+    from sits.engine.request_validator import plan_limits
+    VARIANTS["mistral-window"] = ("MistralConfig", "MistralForCausalLM", dict(sliding_window=64, head_dim=16))
+    try:
+        _save_hf(tmp_path, "mistral-window")
+    finally:
+        del VARIANTS["mistral-window"]
+    cfg = ModelConfig.from_dir(tmp_path)
+    assert plan_limits(EngineConfig(model=str(tmp_path)), cfg).max_model_len == 64
+    qwen = ModelConfig.from_dict({"architectures": ["Qwen2ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                                  "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                  "sliding_window": 32, "use_sliding_window": False, "max_position_embeddings": 128})
+    assert qwen.sliding_window is None and qwen.attention_bias and not qwen.o_proj_bias

@@ -36,8 +36,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False       # Qwen2: bias on q/k/v projections
-    sliding_window: int | None = None  # Mistral; not used for attention masking (documented limit)
+    attention_bias: bool = False       # bias on q/k/v (Qwen2 always; Llama's attention_bias)
+    o_proj_bias: bool = False          # ... and on o_proj (Llama's attention_bias; not Qwen2)
+    mlp_bias: bool = False             # Llama's mlp_bias: gate/up/down
+    sliding_window: int | None = None  # Mistral: the context is capped at it (plan_limits) until SWA lands
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     torch_dtype: str = "float32"
@@ -84,8 +86,11 @@ class ModelConfig:
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                attention_bias=bool(raw.get("attention_bias", family == "qwen2")),
-                sliding_window=raw.get("sliding_window"),
+                attention_bias=bool(raw.get("attention_bias", family == "qwen2")) or family == "qwen2",
+                o_proj_bias=family == "llama" and bool(raw.get("attention_bias", False)),
+                mlp_bias=family == "llama" and bool(raw.get("mlp_bias", False)),
+                sliding_window=(None if family == "qwen2" and not raw.get("use_sliding_window", False)
+                                else raw.get("sliding_window")),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_id=eos_list,
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),

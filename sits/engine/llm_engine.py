@@ -58,7 +58,7 @@ class PreloadedModel:
     @classmethod
     def load(cls, cfg: EngineConfig) -> "PreloadedModel":
         mc = ModelConfig.from_dir(cfg.model)
-        max_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        max_len = plan_limits(cfg, mc).max_model_len
         cpu = torch.device("cpu")
         model = load_model(cfg.model, mc, cpu, resolve_dtype(cfg.dtype, cpu, mc.torch_dtype), max_len)
         return cls(str(cfg.model), cfg.dtype, max_len, mc, model, Tokenizer.from_dir(cfg.model))
@@ -68,10 +68,9 @@ class PreloadedModel:
         return (os.path.realpath(str(cfg.model)), cfg.dtype, cfg.max_model_len)
 
     def fits(self, cfg: EngineConfig, device: torch.device) -> bool:
-        mpe = self.model_config.max_position_embeddings
         return (device.type == "cpu" and self.dtype == cfg.dtype
                 and os.path.realpath(self.model_dir) == os.path.realpath(str(cfg.model))
-                and self.max_model_len == min(cfg.max_model_len or mpe, mpe))
+                and self.max_model_len == plan_limits(cfg, self.model_config).max_model_len)
 
 
 class LLMEngine:
