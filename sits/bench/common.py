@@ -156,3 +156,26 @@ def revision(checkout: str) -> str:
                               text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return checkout
+
+
+def grouped_bars(path: Path, groups: list[str], series: dict[str, list[float]], *, ylabel: str, title: str,
+                 log_scale: bool = False) -> None:
+    """A bar chart with one group of bars per entry of ``groups``, one bar per series in each."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for k, (label, values) in enumerate(series.items()):
+        ax.bar([i + k * width for i in range(len(groups))], values, width, label=label)
+    ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(groups))], groups, fontsize=8)
+    if log_scale:
+        ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -19,7 +19,7 @@ import statistics
 import subprocess
 import sys
 
-from sits.bench.common import add_bench_command, log, publish
+from sits.bench.common import add_bench_command, grouped_bars, log, publish
 
 DOC_BEGIN = "<!-- sits bench dtype: begin -->"
 DOC_END = "<!-- sits bench dtype: end -->"
@@ -147,24 +147,9 @@ def _markdown(r: dict, command: str, plot_path: str) -> str:
 
 
 def _plot(r: dict, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    metrics = list(METRICS)
-    width = 0.8 / len(r["dtypes"])
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for k, d in enumerate(r["dtypes"]):
-        ax.bar([i + k * width for i in range(len(metrics))], [r["median"][d][m] for m in metrics], width, label=d)
-    ax.set_xticks([i + width * (len(r["dtypes"]) - 1) / 2 for i in range(len(metrics))],
-                  [METRICS[m].format(prompt=r["prompt"]) for m in metrics], fontsize=8)
-    ax.set_ylabel("ms (median)")
-    ax.set_title(f"{os.path.basename(os.path.normpath(r['model']))}: compute dtype, {r['threads']} thread(s)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    grouped_bars(path, [METRICS[m].format(prompt=r["prompt"]) for m in METRICS],
+                 {d: [r["median"][d][m] for m in METRICS] for d in r["dtypes"]}, ylabel="ms (median)",
+                 title=f"{os.path.basename(os.path.normpath(r['model']))}: compute dtype, {r['threads']} thread(s)")
 
 
 def _cli(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sits.bench.common import add_bench_command, log, publish, revision
+from sits.bench.common import add_bench_command, grouped_bars, log, publish, revision
 
 DOC_BEGIN = "<!-- sits bench sampler: begin -->"
 DOC_END = "<!-- sits bench sampler: end -->"
@@ -129,24 +129,10 @@ def _markdown(r: dict, command: str, plot_path: str) -> str:
 
 
 def _plot(r: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path.parent.mkdir(parents=True, exist_ok=True)
     cases = list(CASES)
-    width = 0.8 / len(r["variants"])
-    fig, ax = plt.subplots(figsize=(9, 4))
-    for k, v in enumerate(r["variants"]):
-        ax.bar([i + k * width for i in range(len(cases))], [r["median_us"][v][c] for c in cases], width, label=v)
-    ax.set_xticks([i + width * (len(r["variants"]) - 1) / 2 for i in range(len(cases))], cases, fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel("µs per step (median)")
-    ax.set_title(f"Sampler, [{r['batch']}, {r['vocab']}] logits, {r['threads']} thread(s)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    grouped_bars(path, cases, {v: [r["median_us"][v][c] for c in cases] for v in r["variants"]},
+                 ylabel="µs per step (median)", title=f"Sampler, [{r['batch']}, {r['vocab']}] logits, "
+                 f"{r['threads']} thread(s)", log_scale=True)
 
 
 def _cli(args: argparse.Namespace) -> int:

@@ -103,7 +103,7 @@ class Gateway:
             self.record(nxt, "prefetch", {"after": unit, "p": round(p, 3)})
             self.record(nxt, "scale", {"from": b.pool.desired, "to": b.pool.desired + 1, "reason": reason,
                                        "direction": "up"})
-            b.idle_since = time.monotonic()           # keep-alive counts from the pre-warm
+            b.dispatcher.idle_since = time.monotonic()     # keep-alive counts from the pre-warm
             b.autoscaler.state.calm_since = time.monotonic()
             b.pool.scale_to(b.pool.desired + 1, reason)
 

@@ -32,7 +32,6 @@ from sits.runtime.unit_spec import UnitSpec
 from sits.runtime.features import DEFAULT_MEMORY_TOP_K, BackendFeatures
 from sits.runtime.hints import RequestHints
 from sits.runtime.host_fit import check_fits_host
-from sits.runtime.router import Router
 from sits.runtime.dispatcher import UnitDispatcher
 
 if TYPE_CHECKING:
@@ -161,43 +160,19 @@ class UnitBackend:
         """Where the session's last request ran (recorded in the session for affinity)."""
         return self.dispatcher.router.instance_of(session_id)
 
-    # -- request accounting the autoscaler reads (kept by the dispatcher) ----------------------------
-    @property
-    def waiting(self) -> int:
-        return self.dispatcher.waiting
-
-    @property
-    def inflight(self) -> int:
-        return self.dispatcher.inflight
-
-    @property
-    def idle_since(self) -> float | None:
-        return self.dispatcher.idle_since
-
-    @idle_since.setter
-    def idle_since(self, value: float | None) -> None:
-        self.dispatcher.idle_since = value
-
-    @property
-    def router(self) -> Router:
-        return self.dispatcher.router
-
-    @property
-    def routed(self) -> collections.Counter:
-        return self.dispatcher.routed
-
     def stats(self) -> EngineStats:
         return self._aggregate([i.backend.stats() for i in self.pool.ready()])
 
     def _aggregate(self, ready: list[EngineStats]) -> EngineStats:
         if not ready:
-            return EngineStats(self.waiting, 0, 0.0, 0, 0, 0, 0, 0.0, 0, 0, self.spec.resources.policy,
+            return EngineStats(self.dispatcher.waiting, 0, 0.0, 0, 0, 0, 0, 0.0, 0, 0, self.spec.resources.policy,
                                self.pool.last_cold_start())
         blocks = sum(s.num_kv_blocks for s in ready)
         free = sum(s.num_free_blocks for s in ready)
         queries = sum(s.prefix_queries for s in ready)
         hits = sum(s.prefix_hits for s in ready)
-        return EngineStats(sum(s.num_waiting for s in ready) + self.waiting, sum(s.num_running for s in ready),
+        waiting = sum(s.num_waiting for s in ready) + self.dispatcher.waiting
+        return EngineStats(waiting, sum(s.num_running for s in ready),
                            1.0 - free / blocks if blocks else 0.0, blocks, free, queries, hits,
                            hits / queries if queries else 0.0, sum(s.num_preemptions for s in ready),
                            sum(s.num_steps for s in ready), self.spec.resources.policy,
@@ -210,17 +185,17 @@ class UnitBackend:
         st = self._aggregate(per)
         cpu = self.cpu.read([i.pid for i in ready if i.pid])
         gpus = [s.gpu_util for s in per if s.gpu_util is not None]
-        m = self.window.snapshot(queue_depth=st.num_waiting, inflight=self.inflight, cpu_util=cpu,
+        m = self.window.snapshot(queue_depth=st.num_waiting, inflight=self.dispatcher.inflight, cpu_util=cpu,
                                  gpu_util=sum(gpus) / len(gpus) if gpus else None,
                                  kv_util=st.kv_usage if st.num_kv_blocks else None)
         d = self.autoscaler.decide(m, current=self.pool.desired, starting=len(self.pool.starting()), now=now,
-                                   idle_since=self.idle_since)
+                                   idle_since=self.dispatcher.idle_since)
         self.last_decision = d
         if d.target != self.pool.desired:
             self.host.record(self.name, "scale", {"from": d.current, "to": d.target, "reason": d.reason,
                                                      "slo_health": d.health, "direction": d.direction})
             log.info("unit %s: scale %d -> %d (%s)", self.name, d.current, d.target, d.reason)
-            self.pool.scale_to(d.target, d.reason, urgent=d.current == 0 and self.waiting > 0)
+            self.pool.scale_to(d.target, d.reason, urgent=d.current == 0 and self.dispatcher.waiting > 0)
         else:
             self.pool.reconcile(d.reason)        # replaces crashed instances
         if self.faults.active or self._directed:
@@ -229,16 +204,17 @@ class UnitBackend:
 
     def view(self) -> dict:
         d = self.last_decision
-        m = self.window.snapshot(queue_depth=self.waiting, inflight=self.inflight)
+        m = self.window.snapshot(queue_depth=self.dispatcher.waiting, inflight=self.dispatcher.inflight)
         return {
             "name": self.name, "model": self.spec.model, "desired": self.pool.desired,
-            "instances": [i.view() for i in self.pool.instances], "waiting": self.waiting, "inflight": self.inflight,
+            "instances": [i.view() for i in self.pool.instances], "waiting": self.dispatcher.waiting,
+            "inflight": self.dispatcher.inflight,
             "metrics": {"ttft_p95_ms": m.ttft_p95, "itl_p95_ms": m.itl_p95, "rps": round(m.rps, 3),
                         "tps": round(m.tps, 3)},
             "slo_health": d.health if d else None, "last_decision": None if d is None else
             {"from": d.current, "to": d.target, "reason": d.reason},
             "starts": self.pool.starts, "crashes": self.pool.crashes, "start_failure": self.pool.failure_view(),
-            "routed": dict(self.routed),
+            "routed": dict(self.dispatcher.routed),
             "cold_start": self.pool.last_cold_start(),
             "memory": None if self.spec.memory is None else {**self.spec.memory.model_dump(), "ingested": self.ingested},
             "sla": self.breaker.view() | {"fallback": self.spec.fallback, "fallbacks": self.fallbacks},
