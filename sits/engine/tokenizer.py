@@ -210,6 +210,22 @@ def _normalize_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
 _LENGTH_SLACK = 4     # normalizers may drop characters: refuse only text far beyond the bound
 
 
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character each byte is written as -> the byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _gpt2_byte_alphabet()
+
+
 class Tokenizer:
     """Encode, decode and chat-format for one model.
 
@@ -304,6 +320,32 @@ class Tokenizer:
     def max_token_chars(self) -> int:
         """The longest token's text, in characters (bounds how much text a token count can hold)."""
         return max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1) or 1
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE piece may be half a UTF-8 character, which
+        decoding the token alone would turn into U+FFFD): byte-level pieces through GPT-2's byte
+        alphabet, SentencePiece byte tokens ``<0xNN>`` and ``▁`` as a space, special tokens as written."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id not in self._special_ids:
+            if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+                return bytes(_BYTE_OF_CHAR[c] for c in piece)
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes((int(piece[3:5], 16),))
+                except ValueError:
+                    pass
+            return piece.replace("\u2581", " ").encode()
+        return piece.encode()
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        return "ByteLevel" in json.dumps(json.loads(self.backend.to_str()).get("decoder"))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

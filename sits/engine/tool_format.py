@@ -36,12 +36,14 @@ class ToolSpec:
     """One callable function: OpenAI's ``{"type": "function", "function": {...}}`` entry."""
 
     name: str
-    description: str = ""
+    description: str | None = None          # None: the client gave none, and none is rendered
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
 
     def openai(self) -> dict[str, Any]:
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": self.parameters}}
+        function: dict[str, Any] = {"name": self.name}
+        if self.description is not None:        # as the model's own template renders a tool without one
+            function["description"] = self.description
+        return {"type": "function", "function": function | {"parameters": self.parameters}}
 
     def call_schema(self) -> dict[str, Any]:
         """The JSON of one call of this function, as the model writes it. The parameters become a

@@ -37,9 +37,10 @@ def chat_logprobs(backend: Backend, ch: ChoiceResult, start: int = 0) -> dict[st
     content = []
     for tid, lp, top in zip(ch.token_ids[start:], ch.logprobs[start:], ch.top_logprobs[start:]):
         tok = _token_text(backend, tid)
-        content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()),
-                        "top_logprobs": [{"token": (tt := _token_text(backend, i)), "logprob": v,
-                                          "bytes": list(tt.encode())} for i, v in (top or [])]})
+        token_bytes = backend.tokenizer.token_bytes      # the token's real bytes, half a character or not
+        content.append({"token": tok, "logprob": lp, "bytes": list(token_bytes(tid)),
+                        "top_logprobs": [{"token": _token_text(backend, i), "logprob": v,
+                                          "bytes": list(token_bytes(i))} for i, v in (top or [])]})
     return {"content": content}
 
 

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 
 from sits.api.backend import Backend
 from sits.api.context import accepted_at, context_of, new_request_id
-from sits.api.errors import error_docs, error_response, sits_error_as_dict
+from sits.api.errors import ModelNotFoundError, clip, error_docs, error_response, sits_error_as_dict
 from sits.api.generation import Generation
 from sits.api.openai.chunks import ChatChunks, Chunks, CompletionChunks
 from sits.api.openai.structured import chat_guidance
@@ -96,8 +96,21 @@ def wants_stream_meta(request: Request) -> bool:
 @router.get("/v1/models", response_model=ModelList, tags=["openai"], responses=ERRORS)
 async def list_models(request: Request) -> ModelList:
     reg = context_of(request).registry
-    return ModelList(data=[ModelCard(id=b.name, created=b.created, max_model_len=b.max_model_len, root=b.root)
-                           for b in reg.all()])
+    return ModelList(data=[_card(b) for b in reg.all()])
+
+
+def _card(b: Backend) -> ModelCard:
+    return ModelCard(id=b.name, created=b.created, max_model_len=b.max_model_len, root=b.root)
+
+
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard, tags=["openai"], responses=ERRORS)
+async def retrieve_model(model_id: str, request: Request) -> ModelCard:
+    reg = context_of(request).registry
+    for b in reg.all():
+        if b.name == model_id:
+            return _card(b)
+    raise ModelNotFoundError(f"the model {clip(model_id)} does not exist; served: "
+                             f"{', '.join(sorted(b.name for b in reg.all())) or 'none'}", param="model")
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, tags=["openai"],
@@ -105,6 +118,11 @@ async def list_models(request: Request) -> ModelList:
 async def create_completion(body: CompletionRequest, request: Request):
     ctx = context_of(request)
     backend = ctx.registry.get(body.model)
+    if body.best_of is not None and body.best_of != body.n:
+        raise InvalidRequestError(
+            f"best_of ({body.best_of}) must be at least n ({body.n})" if body.best_of < body.n else
+            f"best_of > n is not supported (best_of={body.best_of}, n={body.n}): ask for n choices instead",
+            param="best_of", code="invalid_parameter" if body.best_of < body.n else "unsupported_parameter")
     max_tokens = body.max_tokens
     prompts = completion_prompts(body, backend)
     jobs = []

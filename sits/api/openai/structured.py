@@ -45,7 +45,7 @@ def tool_specs(body: ChatCompletionRequest) -> list[ToolSpec]:
         seen.add(fn.name)
         params = fn.parameters if fn.parameters is not None else {"type": "object", "properties": {}}
         check_schema(params, f"tools[{i}].function.parameters")
-        specs.append(ToolSpec(fn.name, fn.description or "", params))
+        specs.append(ToolSpec(fn.name, fn.description, params))
     return specs
 
 
