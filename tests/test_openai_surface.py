@@ -60,3 +60,15 @@ def test_a_tool_without_description_renders_none():
     bare = ToolSpec("get_time", None, {"type": "object", "properties": {}})
     assert "description" not in bare.openai()["function"]
     assert ToolSpec("f", "Does f").openai()["function"]["description"] == "Does f"
+
+
+def test_text_parts_are_joined_the_same_way_over_http_and_in_python(server, tiny_model_dir):
+    from sits.engine.tokenizer import Tokenizer as T
+    parts = [{"type": "text", "text": "first line"}, {"type": "text", "text": "second line"}]
+    tok = T.from_dir(tiny_model_dir)
+    python_prompt = tok.apply_chat_template([{"role": "user", "content": parts}])
+    expected = len(tok.encode(python_prompt))
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": parts}], "max_tokens": 1})
+    assert r.json()["usage"]["prompt_tokens"] == expected
+    assert "first line\nsecond line" in python_prompt

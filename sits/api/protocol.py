@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from sits.engine.sampling_params import MAX_LOGPROBS, MIN_REPETITION_PENALTY
+from sits.engine.tokenizer import join_text_parts
 
 MAX_N = 16
 MEMORY_SET = r"^[a-z0-9][a-z0-9._-]{0,63}$"
@@ -107,7 +108,7 @@ class ChatMessage(_Body):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return join_text_parts([p.text for p in self.content])
 
     def as_dict(self) -> dict[str, Any]:
         """The message as a chat template reads it (tool calls and the call a tool turn answers kept)."""

@@ -162,7 +162,7 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
                         f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are supported",
                         param=f"{where}.content", code="invalid_messages")
                 texts.append(part["text"])
-            content = "\n".join(texts)
+            content = join_text_parts(texts)
         elif content is None:
             if role != "assistant":
                 raise InvalidRequestError(f"{where}.content is required for role {role!r}",
@@ -208,6 +208,12 @@ def _normalize_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
 
 
 _LENGTH_SLACK = 4     # normalizers may drop characters: refuse only text far beyond the bound
+
+
+def join_text_parts(texts: list[str]) -> str:
+    """A message's text content parts as one string, the way vLLM joins them (one place for the
+    Python API and HTTP, so both send the model the same prompt)."""
+    return "\n".join(texts)
 
 
 def _gpt2_byte_alphabet() -> dict[str, int]:
