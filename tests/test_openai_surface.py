@@ -72,3 +72,16 @@ def test_text_parts_are_joined_the_same_way_over_http_and_in_python(server, tiny
                    json={"model": "tiny", "messages": [{"role": "user", "content": parts}], "max_tokens": 1})
     assert r.json()["usage"]["prompt_tokens"] == expected
     assert "first line\nsecond line" in python_prompt
+
+
+def test_echo_puts_the_prompt_in_front(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    plain = client.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0)
+    echoed = client.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == "Once upon" + plain.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="Once upon", max_tokens=4, temperature=0, echo=True, stream=True) if c.choices)
+    assert streamed == echoed.choices[0].text
+    r = httpx.post(server.url + "/v1/completions", timeout=30,
+                   json={"model": "tiny", "prompt": "x", "max_tokens": 1, "echo": True, "logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"

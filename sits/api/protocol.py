@@ -72,6 +72,7 @@ class CompletionRequest(_SamplingFields):
         ..., description="a string, a list of strings, token ids, or a list of token-id lists")
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = Field(False, description="the prompt's text in front of each choice's (not with logprobs)")
     best_of: int | None = Field(None, ge=1, description="must equal n when given (vLLM V1 does not rank extra "
                                                          "samples either)")
     add_special_tokens: bool = Field(True, description="a text prompt gets the tokenizer's special tokens (its BOS, "

@@ -81,19 +81,22 @@ class Chunks(ABC):
 class CompletionChunks(Chunks):
     obj = response_object = "text_completion"
 
-    def __init__(self, *a):
+    def __init__(self, *a, echo: list[str] | None = None):
         super().__init__(*a)
-        self.offsets = [0] * len(self.gen.choices)
+        # echo: each prompt's text goes in front of its choices' text (the first chunk carries it)
+        self.echo = [echo[c.prompt_index] for c in self.gen.choices] if echo else [""] * len(self.gen.choices)
+        self.offsets = [len(e) for e in self.echo]
 
     def final_choice(self, ch: ChoiceResult) -> dict[str, Any]:
-        return {"index": ch.index, "text": "".join(ch.text), "finish_reason": ch.finish_reason,
+        return {"index": ch.index, "text": self.echo[ch.index] + "".join(ch.text), "finish_reason": ch.finish_reason,
                 "logprobs": completion_logprobs(self.backend, ch) if self.body.logprobs is not None else None}
 
     def delta(self, i: int, ev: TokenEvent) -> dict | None:
         if not ev.text and not ev.finished:
             return None
         ch = self.gen.choices[i]
-        c: dict[str, Any] = {"index": i, "text": ev.text, "logprobs": None,
+        text, self.echo[i] = self.echo[i] + ev.text, ""
+        c: dict[str, Any] = {"index": i, "text": text, "logprobs": None,
                              "finish_reason": ev.finish_reason if ev.finished else None}
         if self.body.logprobs is not None and ev.token_id is not None:
             c["logprobs"] = completion_logprobs(self.backend, ch, start=len(ch.token_ids) - 1,

@@ -70,8 +70,8 @@ def completion_prompts(req: CompletionRequest, backend: Backend) -> list[str | l
 
 def _sampling(backend: Backend, body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
               logprobs: int | None, grammar: str | None = None) -> SamplingParams:
-    return sampling_params(max_tokens, defaults=backend.sampling_defaults, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                           min_p=body.min_p, seed=body.seed, presence_penalty=body.presence_penalty,
+    return sampling_params(max_tokens, defaults=backend.sampling_defaults, temperature=body.temperature,
+                           top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed, presence_penalty=body.presence_penalty,
                            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                            stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
                            logprobs=logprobs, grammar=grammar)
@@ -123,19 +123,25 @@ async def create_completion(body: CompletionRequest, request: Request):
             f"best_of ({body.best_of}) must be at least n ({body.n})" if body.best_of < body.n else
             f"best_of > n is not supported (best_of={body.best_of}, n={body.n}): ask for n choices instead",
             param="best_of", code="invalid_parameter" if body.best_of < body.n else "unsupported_parameter")
+    if body.echo and body.logprobs is not None:
+        raise InvalidRequestError("echo with logprobs would need the prompt's logprobs, which SITS does not "
+                                  "compute; ask for one or the other", param="echo", code="unsupported_parameter")
     max_tokens = body.max_tokens
     prompts = completion_prompts(body, backend)
+    echo = [p if isinstance(p, str) else backend.tokenizer.decode(p, skip_special_tokens=False)
+            for p in prompts] if body.echo else None
     jobs = []
     for p in prompts:
         if max_tokens is None and isinstance(p, str):
             # tokenized once: its length sets the default max_tokens
-            p = backend.tokenizer.encode(p, add_special_tokens=body.add_special_tokens, max_tokens=backend.max_model_len)
+            p = backend.tokenizer.encode(p, add_special_tokens=body.add_special_tokens,
+                                         max_tokens=backend.max_model_len)
         mt = max_tokens if max_tokens is not None else default_max_tokens(backend, len(p))
         jobs.append((p, _sampling(backend, body, mt, body.logprobs)))
     rid = new_request_id()
     gen = Generation(backend, ctx.metrics, ctx.inflight, rid, jobs, n=body.n, priority=body.priority,
                      interactive=True, accepted_at=accepted_at(request), add_special_tokens=body.add_special_tokens)
-    return await _respond(request, gen, CompletionChunks(f"cmpl-{rid}", backend, gen, body))
+    return await _respond(request, gen, CompletionChunks(f"cmpl-{rid}", backend, gen, body, echo=echo))
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, tags=["openai"],
