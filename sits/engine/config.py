@@ -100,6 +100,12 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike) -> "ModelConfig":
+        """From ``config.json`` in a Hugging Face folder, or from a GGUF file's metadata."""
+        from sits.engine.gguf_model import open_gguf
+
+        gguf = open_gguf(model_dir)
+        if gguf is not None:
+            return gguf.model_config()
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ModelLoadError(f"{path}: not found; a model directory needs config.json, "

@@ -18,6 +18,7 @@ from torch import nn
 
 from sits.engine.config import ModelConfig
 from sits.engine.errors import ModelLoadError
+from sits.engine.gguf_model import open_gguf
 from sits.engine.models.llama import LlamaForCausalLM
 
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
@@ -103,7 +104,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
     """Build the module (uninitialised parameters: untouched pages, no random init) and assign the
     mapped weights to it. Not on the meta device: its dispatch imports torch's compiler (seconds)."""
     model = LlamaForCausalLM(cfg, max_positions=max_positions)
-    state = load_state_dict(model_dir)
+    gguf = open_gguf(model_dir)
+    state = gguf.state_dict(dtype) if gguf is not None else load_state_dict(model_dir)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     elif "lm_head.weight" not in state and "model.embed_tokens.weight" in state:

@@ -262,7 +262,15 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike) -> "Tokenizer":
-        """Load ``tokenizer.json`` (required) and the optional HF metadata files beside it."""
+        """Load ``tokenizer.json`` (required) and the optional HF metadata files beside it; or the
+        tokenizer a GGUF file describes."""
+        from sits.engine.gguf_model import open_gguf
+
+        gguf = open_gguf(model_dir)
+        if gguf is not None:
+            tok = gguf.tokenizer()
+            tok.max_token_chars  # noqa: B018 - computed at load, as below
+            return tok
         root = Path(model_dir)
         path = root / "tokenizer.json"
         if not path.is_file():

@@ -46,8 +46,9 @@ class UnitBackend:
         self.name = spec.name
         self.root = spec.model
         self.created = int(time.time())
-        if not os.path.isdir(spec.model):
-            raise InvalidRequestError(f"unit {spec.name}: model directory {spec.model} does not exist",
+        if not os.path.exists(spec.model):
+            raise InvalidRequestError(f"unit {spec.name}: model {spec.model} does not exist (a model directory or "
+                                      "a .gguf file)",
                                       param="model", code="model_dir_not_found")
         try:
             mc = ModelConfig.from_dir(spec.model)

@@ -1,0 +1,225 @@
+"""A GGUF file (llama.cpp's format, what Ollama and LM Studio keep on disk) as a model source.
+
+Everything the engine needs comes from the one file: the config from its ``llama.*`` metadata, the
+weights dequantized at load (F32, F16, BF16, Q8_0, Q4_0, Q4_1 and the K-quants the ``gguf`` package
+can dequantize) with llama.cpp's Q/K row permutation undone, and the tokenizer rebuilt from its
+``tokenizer.ggml.*`` metadata. The tokenizer follows the file, not transformers' GGUF conversion,
+which gets SmolLM2 wrong (its EOS, a BOS the file says not to add, no single-digit split).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from sits.engine.errors import ModelLoadError, UnsupportedModelError
+
+GGUF_MAGIC = b"GGUF"
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# llama.cpp tensor names -> Hugging Face names ({} is the layer)
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# token types (gguf.TokenType)
+_CONTROL, _USER_DEFINED = 3, 4
+# llama.cpp's pre-tokenizer regexes by ``tokenizer.ggml.pre``: (split each digit first, the regex)
+_GPT2_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"""
+_LLAMA3_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_TOKENIZERS = {"default": (False, _GPT2_REGEX), "gpt-2": (False, _GPT2_REGEX),
+                   "smollm": (True, _GPT2_REGEX), "starcoder": (True, _GPT2_REGEX), "refact": (True, _GPT2_REGEX),
+                   "llama-bpe": (False, _LLAMA3_REGEX), "llama3": (False, _LLAMA3_REGEX)}
+
+
+def open_gguf(path: str | Path) -> "GGUFModel | None":
+    """The GGUF model at ``path`` (read once per process and kept: config, tokenizer and weights are
+    asked for separately), or None when ``path`` is not one."""
+    found = gguf_file(path)
+    return None if found is None else _open(str(found.resolve()))
+
+
+@functools.lru_cache(maxsize=2)
+def _open(path: str) -> "GGUFModel":
+    return GGUFModel(path)
+
+
+def is_gguf(path: str | Path) -> bool:
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def gguf_file(path: str | Path) -> Path | None:
+    """The GGUF file ``path`` names: itself, or the only ``*.gguf`` of a directory without safetensors."""
+    p = Path(path)
+    if p.is_file():
+        return p if is_gguf(p) else None
+    if p.is_dir() and not any(p.glob("*.safetensors")):
+        found = sorted(p.glob("*.gguf"))
+        if len(found) == 1 and is_gguf(found[0]):
+            return found[0]
+    return None
+
+
+class GGUFModel:
+    """One GGUF file, its metadata read once (tensors are memory-mapped by the ``gguf`` reader)."""
+
+    def __init__(self, path: str | Path):
+        import gguf     # only when a GGUF is loaded: safetensors cold starts do not pay for it
+
+        self.path = Path(path)
+        try:
+            self.reader = gguf.GGUFReader(str(self.path))
+        except (ValueError, OSError) as e:
+            raise ModelLoadError(f"{self.path}: not a readable GGUF file: {e}", param="model") from None
+        self.meta: dict[str, Any] = {}
+        for key, f in self.reader.fields.items():
+            if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                       "tokenizer.ggml.scores"):
+                continue
+            try:
+                self.meta[key] = f.contents()
+            except Exception:  # noqa: BLE001 - a field this reader cannot decode is not one we use
+                pass
+        self.arch = str(self.meta.get("general.architecture", ""))
+        if self.arch not in _ARCHITECTURES:
+            raise UnsupportedModelError(f"{self.path}: GGUF architecture {self.arch!r} is not supported; SITS runs "
+                                        f"{', '.join(sorted(_ARCHITECTURES))}", param="model")
+
+    def _field(self, name: str) -> list:
+        f = self.reader.fields.get(name)
+        return [] if f is None else f.contents()
+
+    def _a(self, key: str, default=None):
+        return self.meta.get(f"{self.arch}.{key}", default)
+
+    # -- config ----------------------------------------------------------------------------------
+    def model_config(self):
+        from sits.engine.config import ModelConfig
+
+        heads = int(self._a("attention.head_count"))
+        hidden = int(self._a("embedding_length"))
+        names = {t.name for t in self.reader.tensors}
+        vocab = int(self._a("vocab_size") or len(self._field("tokenizer.ggml.tokens")))
+        types = {t.tensor_type.name for t in self.reader.tensors if t.name.endswith(".weight") and "norm" not in t.name}
+        low_precision = types - {"F32"}
+        raw = {
+            "architectures": [_ARCHITECTURES[self.arch]], "vocab_size": vocab, "hidden_size": hidden,
+            "intermediate_size": int(self._a("feed_forward_length")), "num_hidden_layers": int(self._a("block_count")),
+            "num_attention_heads": heads, "num_key_value_heads": int(self._a("attention.head_count_kv") or heads),
+            "head_dim": int(self._a("attention.key_length") or self._a("rope.dimension_count") or hidden // heads),
+            "max_position_embeddings": int(self._a("context_length", 2048)),
+            "rms_norm_eps": float(self._a("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self._a("rope.freq_base", 10000.0)),
+            "tie_word_embeddings": "output.weight" not in names,
+            "bos_token_id": self.meta.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.meta.get("tokenizer.ggml.eos_token_id"),
+            # dequantized weights are fp32, but their precision is the file's: auto may compute in bf16
+            "torch_dtype": "bfloat16" if low_precision else "float32",
+        }
+        scaling = self._a("rope.scaling.type")
+        if scaling and scaling != "none":
+            raw["rope_scaling"] = {"rope_type": scaling, "factor": float(self._a("rope.scaling.factor", 1.0)),
+                                   "original_max_position_embeddings": int(
+                                       self._a("rope.scaling.original_context_length", raw["max_position_embeddings"]))}
+        return ModelConfig.from_dict(raw, source=str(self.path))
+
+    # -- weights ---------------------------------------------------------------------------------
+    def state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """HF-named tensors, dequantized and cast to ``dtype``, Q/K rows back in HF's order."""
+        from gguf.quants import dequantize
+
+        heads = int(self._a("attention.head_count"))
+        kv_heads = int(self._a("attention.head_count_kv") or heads)
+        out: dict[str, torch.Tensor] = {}
+        for t in self.reader.tensors:
+            name = _hf_name(t.name)
+            if name is None:
+                continue
+            shape = [int(d) for d in reversed(t.shape)]          # GGUF lists dimensions fastest first
+            try:
+                values = dequantize(t.data, t.tensor_type)
+            except NotImplementedError:
+                raise UnsupportedModelError(f"{self.path}: tensor {t.name} is {t.tensor_type.name}, which the gguf "
+                                            "package cannot dequantize", param="model",
+                                            code="unsupported_quantization") from None
+            values = np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
+            w = torch.from_numpy(values if values.flags.writeable else values.copy())   # F32: a read-only map
+            if name.endswith("q_proj.weight"):
+                w = _unpermute(w, heads)
+            elif name.endswith("k_proj.weight"):
+                w = _unpermute(w, kv_heads)
+            out[name] = w.to(dtype)
+        return out
+
+    # -- tokenizer -------------------------------------------------------------------------------
+    def tokenizer(self):
+        import tokenizers
+        from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+
+        from sits.engine.tokenizer import Tokenizer
+
+        kind = self.meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise UnsupportedModelError(f"{self.path}: tokenizer model {kind!r} is not supported yet (GPT-2 style "
+                                        "BPE vocabularies are)", param="model")
+        pre = str(self.meta.get("tokenizer.ggml.pre", "default"))
+        if pre not in _PRE_TOKENIZERS:
+            raise UnsupportedModelError(f"{self.path}: pre-tokenizer {pre!r} is not known; known: "
+                                        f"{', '.join(sorted(_PRE_TOKENIZERS))}", param="model")
+        tokens = [str(t) for t in self._field("tokenizer.ggml.tokens")]
+        types = [int(t) for t in self._field("tokenizer.ggml.token_type")] or [1] * len(tokens)
+        merges = [tuple(str(m).split(" ", 1)) for m in self._field("tokenizer.ggml.merges")]
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        backend = tokenizers.Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+        split_digits, regex = _PRE_TOKENIZERS[pre]
+        steps = [pre_tokenizers.Digits(individual_digits=True)] if split_digits else []
+        steps += [pre_tokenizers.Split(tokenizers.Regex(regex), behavior="isolated"),
+                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
+        backend.decoder = decoders.ByteLevel()
+        backend.add_special_tokens([AddedToken(tok, special=True, normalized=False)
+                                    for tok, ty in zip(tokens, types) if ty == _CONTROL])
+        backend.add_tokens([AddedToken(tok, special=False, normalized=False)
+                            for tok, ty in zip(tokens, types) if ty == _USER_DEFINED])
+
+        def token(key: str) -> tuple[int | None, str | None]:
+            i = self.meta.get(key)
+            return (int(i), tokens[int(i)]) if i is not None and 0 <= int(i) < len(tokens) else (None, None)
+
+        bos_id, bos = token("tokenizer.ggml.bos_token_id")
+        eos_id, eos = token("tokenizer.ggml.eos_token_id")
+        pad_id, pad = token("tokenizer.ggml.padding_token_id")
+        add_bos = bool(self.meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+        add_eos = bool(self.meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+        single = " ".join([f"{bos}:0"] * add_bos + ["$A:0"] + [f"{eos}:0"] * add_eos)
+        specials = [(t, i) for t, i, on in ((bos, bos_id, add_bos), (eos, eos_id, add_eos)) if on]
+        backend.post_processor = (processors.TemplateProcessing(single=single, special_tokens=specials)
+                                  if specials else processors.ByteLevel(trim_offsets=False))
+        return Tokenizer(backend, eos_token_ids=[eos_id] if eos_id is not None else [], bos_token_id=bos_id,
+                         pad_token_id=pad_id, bos_token=bos, eos_token=eos, pad_token=pad,
+                         chat_template=self.meta.get("tokenizer.chat_template"), source=str(self.path))
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[parts[0]]}.{parts[1]}"
+    return None        # e.g. rope_freqs: recomputed from the config
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's ``permute`` of Q/K rows (HF's rotate-half layout -> interleaved pairs)."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
