@@ -120,18 +120,57 @@ def test_biases_and_yarn_match_transformers(tmp_path, variant, extra):
     assert (ref - got).abs().max().item() <= 1e-4
 
 
-def test_a_sliding_window_caps_the_context_until_windowed_attention_lands(tmp_path):
-    """Mistral's sliding_window: within the window full attention is exact, so the context is capped at
-    it rather than silently diverging past it; Qwen2's window only counts when use_sliding_window."""
-    from sits.engine.request_validator import plan_limits
-    VARIANTS["mistral-window"] = ("MistralConfig", "MistralForCausalLM", dict(sliding_window=64, head_dim=16))
+WINDOWED = {
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8, head_dim=16)),
+    # Qwen2 slides from layer max_window_layers on: layer 0 full, layer 1 windowed
+    "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=8,
+                                                             max_window_layers=1)),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(WINDOWED))
+def test_sliding_window_attention_matches_transformers(tmp_path, variant, tiny_model_dir):
+    """Sliding-window attention (Mistral; Qwen2's per-layer windows) past the window: the dense path's
+    logits, and the serving path's greedy tokens and logprobs through chunked prefill (chunks of 16
+    over a window of 8 with blocks of 4), decodes, and a prefix-cached second request."""
+    import shutil
+    VARIANTS[variant] = WINDOWED[variant]
     try:
-        _save_hf(tmp_path, "mistral-window")
+        hf = _save_hf(tmp_path, variant)
     finally:
-        del VARIANTS["mistral-window"]
+        del VARIANTS[variant]
     cfg = ModelConfig.from_dir(tmp_path)
-    assert plan_limits(EngineConfig(model=str(tmp_path)), cfg).max_model_len == 64
+    assert cfg.sliding_window == 8
+    ids = torch.randint(0, BASE["vocab_size"], (2, 60), generator=torch.Generator().manual_seed(1))
+    ours = load_model(tmp_path, cfg, torch.device("cpu"), torch.float32, cfg.max_position_embeddings)
+    with torch.inference_mode():
+        assert (hf(input_ids=ids).logits.float() - ours.forward_dense(ids)).abs().max().item() <= 1e-4
+
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tiny_model_dir}/{f}", tmp_path / f)
+    eng = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", warmup=False, num_kv_blocks=64,
+                                 block_size=4, max_num_batched_tokens=16))
+    assert eng.max_model_len == BASE["max_position_embeddings"]     # not capped at the window
+    prompt = torch.randint(5, BASE["vocab_size"], (37,), generator=torch.Generator().manual_seed(2)).tolist()
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=0)
+    for p in (prompt, prompt[:30] + [7, 8, 9]):                     # the second reuses cached blocks
+        seq = eng.add_request(p, params)
+        logprobs = []
+        while eng.has_unfinished:
+            logprobs += [ev.logprob for ev in eng.step()]
+        tokens = list(seq.output_token_ids)
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf(input_ids=torch.tensor([p + tokens])).logits[0].float(), -1)
+        steps = ref[len(p) - 1:-1]
+        assert tokens == steps.argmax(-1).tolist()
+        want = steps.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        assert (torch.tensor(logprobs) - want).abs().max().item() <= 1e-4
+    assert seq.num_cached_tokens >= 28
+
+
+def test_qwen2_window_counts_only_with_use_sliding_window():
     qwen = ModelConfig.from_dict({"architectures": ["Qwen2ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
                                   "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
                                   "sliding_window": 32, "use_sliding_window": False, "max_position_embeddings": 128})
-    assert qwen.sliding_window is None and qwen.attention_bias and not qwen.o_proj_bias
+    assert qwen.sliding_window is None and qwen.layer_window(0) is None
+    assert qwen.attention_bias and not qwen.o_proj_bias

@@ -39,7 +39,8 @@ class ModelConfig:
     attention_bias: bool = False       # bias on q/k/v (Qwen2 always; Llama's attention_bias)
     o_proj_bias: bool = False          # ... and on o_proj (Llama's attention_bias; not Qwen2)
     mlp_bias: bool = False             # Llama's mlp_bias: gate/up/down
-    sliding_window: int | None = None  # Mistral: the context is capped at it (plan_limits) until SWA lands
+    sliding_window: int | None = None  # a windowed layer attends to the last `sliding_window` positions
+    layer_types: tuple[str, ...] | None = None  # per layer "sliding_attention"/"full_attention"; None: all alike
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     torch_dtype: str = "float32"
@@ -66,6 +67,9 @@ class ModelConfig:
             eos = raw.get("eos_token_id")
             eos_list = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
             family = SUPPORTED_ARCHITECTURES[arch]
+            window = raw.get("sliding_window")
+            if family == "qwen2" and not raw.get("use_sliding_window", False):
+                window = None
             # transformers >= 5 folds rope_theta / rope_scaling into one `rope_parameters` dict.
             rope = dict(raw.get("rope_parameters") or {})
             rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
@@ -89,14 +93,22 @@ class ModelConfig:
                 attention_bias=bool(raw.get("attention_bias", family == "qwen2")) or family == "qwen2",
                 o_proj_bias=family == "llama" and bool(raw.get("attention_bias", False)),
                 mlp_bias=family == "llama" and bool(raw.get("mlp_bias", False)),
-                sliding_window=(None if family == "qwen2" and not raw.get("use_sliding_window", False)
-                                else raw.get("sliding_window")),
+                sliding_window=window,
+                layer_types=_layer_types(raw, family, window),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_id=eos_list,
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: missing required field {e.args[0]!r}", param=e.args[0]) from None
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None: it attends to the whole context)."""
+        if not self.sliding_window:
+            return None
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return int(self.sliding_window)
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike) -> "ModelConfig":
@@ -115,6 +127,18 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ModelLoadError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
         return cls.from_dict(raw, source=str(path))
+
+
+def _layer_types(raw: dict[str, Any], family: str, window: Any) -> tuple[str, ...] | None:
+    """Which layers slide, as transformers decides it: a config's own ``layer_types``; Qwen2 slides
+    from layer ``max_window_layers`` on; Mistral slides everywhere (None)."""
+    if raw.get("layer_types"):
+        return tuple(str(t) for t in raw["layer_types"])
+    if family == "qwen2" and window:
+        first = int(raw.get("max_window_layers", 28))
+        return tuple("sliding_attention" if i >= first else "full_attention"
+                     for i in range(int(raw["num_hidden_layers"])))
+    return None
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,

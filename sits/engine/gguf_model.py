@@ -126,6 +126,8 @@ class GGUFModel:
             # dequantized weights are fp32, but their precision is the file's: auto may compute in bf16
             "torch_dtype": "bfloat16" if low_precision else "float32",
         }
+        if self._a("attention.sliding_window"):
+            raw["sliding_window"] = int(self._a("attention.sliding_window"))
         scaling = self._a("rope.scaling.type")
         if scaling and scaling != "none":
             raw["rope_scaling"] = {"rope_type": scaling, "factor": float(self._a("rope.scaling.factor", 1.0)),

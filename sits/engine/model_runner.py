@@ -21,6 +21,7 @@ class ModelRunner:
         self.kv = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
+        self.window = model.config.sliding_window or None
 
     def _to(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long).to(self.device, non_blocking=True)
@@ -58,15 +59,18 @@ class ModelRunner:
                 sample_rows.append(row)
                 sample_idx.append(start + n - 1)
 
-        d_index = d_tables = d_mask = None
+        d_index = d_tables = d_mask = d_window = None
         if decode_idx:
             width = max(len(t) for t in decode_tables)
             padded = [t + [0] * (width - len(t)) for t in decode_tables]
             d_index = self._to(decode_idx)
             d_tables = self._to([b for row in padded for b in row]).view(len(padded), width)
             lens = self._to(decode_lens)
-            d_mask = (torch.arange(width * bs, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
-        meta = AttentionMetadata(self._to(slots), prefills, d_index, d_tables, d_mask)
+            k_pos = torch.arange(width * bs, device=self.device)[None, :]
+            d_mask = (k_pos < lens[:, None])[:, None, None, :]
+            if self.window is not None:     # the new token at lens-1 sees keys with (lens-1) - k < window
+                d_window = (d_mask & (k_pos >= lens[:, None] - self.window)[:, None, None, :])
+        meta = AttentionMetadata(self._to(slots), prefills, d_index, d_tables, d_mask, d_window)
         return self._to(input_ids), self._to(positions), meta, (sample_rows, sample_idx)
 
     @torch.inference_mode()

@@ -28,9 +28,6 @@ def plan_limits(cfg: "EngineConfig", model_config: "ModelConfig") -> EngineLimit
     from sits.engine.kv_cache import bytes_per_block
 
     mpe = model_config.max_position_embeddings
-    if model_config.sliding_window:
-        # attention beyond the window is not implemented yet: within it, full attention is exact
-        mpe = min(mpe, int(model_config.sliding_window))
     dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device), model_config.torch_dtype)
     per_block = bytes_per_block(model_config, cfg.block_size, dtype)
     return EngineLimits(vocab_size=model_config.vocab_size, max_model_len=min(cfg.max_model_len or mpe, mpe),

@@ -38,6 +38,16 @@ class AttentionMetadata:
     decode_index: torch.Tensor | None     # [Bd] long: positions in the flat batch of 1-token decodes
     decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] long (padded with block 0)
     decode_mask: torch.Tensor | None      # [Bd, 1, 1, max_blocks*block_size] bool (True: attend)
+    decode_window_mask: torch.Tensor | None = None  # the same, limited to the model's sliding window
+
+
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal mask [len(q), len(k)] (True: attend), limited to the last ``window`` positions as
+    transformers' ``sliding_window_overlay`` (a query sees keys with ``q - k < window``)."""
+    mask = q_pos[:, None] >= k_pos[None, :]
+    if window is not None:
+        mask &= q_pos[:, None] - k_pos[None, :] < window
+    return mask
 
 
 def _rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -165,8 +175,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
+        self.window = cfg.layer_window(layer)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -188,8 +199,12 @@ class Attention(nn.Module):
         """x: [B, L, hidden] -> [B, L, hidden], plain causal attention, no cache."""
         b, l, _ = x.shape
         q, k, v = self._qkv(x, cos, sin)
+        mask = None
+        if self.window is not None and l > self.window:
+            pos = torch.arange(l, device=x.device)
+            mask = window_mask(pos, pos, self.window)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, enable_gqa=self.gqa)
+                                             attn_mask=mask, is_causal=mask is None, enable_gqa=self.gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, l, -1))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -203,17 +218,23 @@ class Attention(nn.Module):
         v_flat.index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty_like(q)
+        bs = k_cache.shape[1]
         for span in meta.prefills:
             n_new = span.end - span.start
             qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)      # [1, H, n, D]
-            if span.context_len == n_new:                                # no cached prefix
+            first_q = span.context_len - n_new
+            if first_q == 0 and (self.window is None or n_new <= self.window):  # no cached prefix
                 ks, vs = k[span.start:span.end], v[span.start:span.end]
                 mask, causal = None, True
-            else:                                                        # chunk after a cached prefix
-                ks = k_cache[span.block_table].view(-1, self.num_kv_heads, self.head_dim)[:span.context_len]
-                vs = v_cache[span.block_table].view(-1, self.num_kv_heads, self.head_dim)[:span.context_len]
-                q_pos = torch.arange(span.context_len - n_new, span.context_len, device=x.device)
-                mask = q_pos[:, None] >= torch.arange(span.context_len, device=x.device)[None, :]
+            else:                      # chunk after a cached prefix, or wider than the window
+                # keys from the first one the chunk's first query can see (whole blocks), to its end
+                first_block = 0 if self.window is None else max(0, first_q - self.window + 1) // bs
+                table = span.block_table[first_block:]
+                ks = k_cache[table].view(-1, self.num_kv_heads, self.head_dim)[:span.context_len - first_block * bs]
+                vs = v_cache[table].view(-1, self.num_kv_heads, self.head_dim)[:span.context_len - first_block * bs]
+                q_pos = torch.arange(first_q, span.context_len, device=x.device)
+                mask = window_mask(q_pos, torch.arange(first_block * bs, span.context_len, device=x.device),
+                                   self.window)
                 causal = False
             o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
                                                attn_mask=mask, is_causal=causal, enable_gqa=self.gqa)
@@ -225,7 +246,8 @@ class Attention(nn.Module):
             kd = k_cache[bt].view(bd, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [Bd, Hkv, L, D]
             vd = v_cache[bt].view(bd, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
             qd = q[meta.decode_index].unsqueeze(2)                                          # [Bd, H, 1, D]
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=self.gqa)
+            mask = meta.decode_mask if self.window is None else meta.decode_window_mask
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, enable_gqa=self.gqa)
             out[meta.decode_index] = o.squeeze(2)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
@@ -242,9 +264,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -254,7 +276,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg, max_positions)
 
