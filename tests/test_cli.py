@@ -124,6 +124,12 @@ def test_up_iu_and_status_drive_a_running_gateway(tiny_model_dir, tmp_path):
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
+        # the Responses API through the gateway's dispatcher (streamed events end in the final object)
+        with httpx.stream("POST", url + "/v1/responses", timeout=60, json={
+                "model": "main", "input": "Hi", "max_output_tokens": 4, "stream": True}) as resp:
+            lines = [ln for ln in resp.iter_lines() if ln.startswith("event: ")]
+        assert resp.status_code == 200 and lines[0] == "event: response.created"
+        assert lines[-1] in ("event: response.completed", "event: response.incomplete")
         cli = ("--url", url)
         r = _sits("iu", "deploy", "--file", str(tmp_path / "extra.yaml"), *cli)
         assert r.returncode == 0 and "deployed extra" in r.stdout, r.stderr

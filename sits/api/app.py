@@ -29,6 +29,7 @@ from sits.api.hot_path import HotRoutes
 from sits.api.metrics import CONTENT_TYPE, ServerMetrics
 from sits.api.openai import embedding_routes
 from sits.api.openai import routes as openai_routes
+from sits.api.openai import responses as responses_routes
 from sits.api.sits import memory_routes, session_routes, tool_routes
 from sits.api.sits import routes as sits_routes
 from sits.api.sits.request_store import RequestStore
@@ -112,6 +113,7 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
     app.state.sits = ctx
     install_error_handlers(app)
     app.include_router(openai_routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(sits_routes.router)
     app.include_router(session_routes.router)
     app.include_router(tool_routes.router)

@@ -31,7 +31,7 @@ _SANE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
 # a request's latency level until its route knows better (a stream is L1)
-_LEVEL_BY_PATH = {"/v1/chat/completions": "L2", "/v1/completions": "L2", "/v1/requests": "L3"}
+_LEVEL_BY_PATH = {"/v1/chat/completions": "L2", "/v1/completions": "L2", "/v1/responses": "L2", "/v1/requests": "L3"}
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/docs", "/openapi.json", "/redoc")
 
 

@@ -5,9 +5,9 @@ the arguments, the body is decoded to Python objects and validated from them, an
 passes an exception middleware and an exit stack. That is ≈ 0.3 ms of Python per request warm,
 and about three times more on a busy 2-core host, where an engine step leaves the caches cold:
 the largest share of the server's time to first token. ``HotRoutes`` serves ``POST
-/v1/chat/completions`` and ``POST /v1/completions`` with the same request models (validated
+/v1/chat/completions``, ``POST /v1/completions`` and ``POST /v1/responses`` with the same request models (validated
 straight from the bytes with ``model_validate_json``), the same route functions and the same error
-bodies; everything else, and these two with ``ServerSettings.hot_path`` off, goes through FastAPI
+bodies; everything else, and these three with ``ServerSettings.hot_path`` off, goes through FastAPI
 unchanged. The OpenAPI schema still comes from the FastAPI routes, which stay registered.
 """
 
@@ -23,7 +23,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sits.api.errors import (UNPARSABLE_BODY, error_body, internal_error_response, sits_error_response,
                              validation_error_response)
+from sits.api.openai import responses as responses_routes
 from sits.api.openai import routes as openai_routes
+from sits.api.openai.responses_protocol import ResponsesRequest
 from sits.api.protocol import ChatCompletionRequest, CompletionRequest
 from sits.engine.errors import SitsError
 
@@ -32,6 +34,7 @@ Endpoint = Callable[[BaseModel, Request], Awaitable[Response]]
 ROUTES: dict[tuple[str, str], tuple[type[BaseModel], Endpoint]] = {
     ("POST", "/v1/chat/completions"): (ChatCompletionRequest, openai_routes.create_chat_completion),
     ("POST", "/v1/completions"): (CompletionRequest, openai_routes.create_completion),
+    ("POST", "/v1/responses"): (ResponsesRequest, responses_routes.create_response),
 }
 
 # what FastAPI answers for an empty body: the required body is missing

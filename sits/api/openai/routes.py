@@ -210,7 +210,7 @@ async def _respond(request: Request, gen: Generation, chunks: Chunks, turn: Sess
     _trace_request(gen, chunks)
     if chunks.body.stream:
         return await _stream(request, gen, chunks, warning, turn)
-    await _run(request, gen)
+    await run_to_end(request, gen)
     _trace_response(gen, chunks)
     await _remember(turn, gen)
     out = {"id": chunks.cid, "object": chunks.response_object, "created": int(time.time()),
@@ -221,7 +221,7 @@ async def _respond(request: Request, gen: Generation, chunks: Chunks, turn: Sess
     return JSONResponse(out, headers=response_headers(gen, warning) | (turn.headers() if turn else {}))
 
 
-async def _run(request: Request, gen: Generation) -> None:
+async def run_to_end(request: Request, gen: Generation) -> None:
     """A non-streamed request: run to the end, aborting it if the client goes away meanwhile."""
     try:
         await until_disconnect(request, gen.run())
@@ -250,8 +250,10 @@ class _Meta:
         return chunk
 
 
-async def _stream(request: Request, gen: Generation, chunks: Chunks, ignored: str | None,
-                  turn: SessionTurn | None = None) -> SSEResponse:
+async def open_events(request: Request, gen: Generation) -> tuple[AsyncIterator[tuple[int, TokenEvent]],
+                                                                  tuple[int, TokenEvent] | None]:
+    """The generation's events and its first one: a stream answers once its first token exists, so an
+    error before it is still a proper 4xx/5xx rather than a broken stream."""
     events = gen.events()
     try:
         first = await until_disconnect(request, events.__anext__())
@@ -263,6 +265,21 @@ async def _stream(request: Request, gen: Generation, chunks: Chunks, ignored: st
     except BaseException:
         await events.aclose()
         raise
+    return events, first
+
+
+async def from_first(first: tuple[int, TokenEvent] | None, events: AsyncIterator[tuple[int, TokenEvent]],
+                     ) -> AsyncIterator[tuple[int, TokenEvent]]:
+    """The events ``open_events`` opened, its first one again in front."""
+    if first is not None:
+        yield first
+    async for item in events:
+        yield item
+
+
+async def _stream(request: Request, gen: Generation, chunks: Chunks, ignored: str | None,
+                  turn: SessionTurn | None = None) -> SSEResponse:
+    events, first = await open_events(request, gen)
     meta = _Meta(gen) if wants_stream_meta(request) else None
     headers = response_headers(gen, ignored) | (turn.headers() if turn else {})
     return SSEResponse(_sse_body(gen, events, first, chunks, meta, turn), headers=headers)
@@ -287,15 +304,7 @@ async def _sse_body(gen: Generation, events: AsyncIterator[tuple[int, TokenEvent
                 meta.tag(c, "queue", 0.0) for c in opening[1:]]
         # the opening chunks leave with the first token's (one write, one read for the client)
         head = b"".join(sse_data(c) for c in opening)
-        pending = [first] if first is not None else []
-
-        async def all_events():
-            for item in pending:
-                yield item
-            async for item in events:
-                yield item
-
-        async for i, ev in all_events():
+        async for i, ev in from_first(first, events):
             c = chunks.delta(i, ev)
             if c is None:      # e.g. half a UTF-8 character, or a held tool call: nothing to show yet
                 if head:       # ... but the client hears from the server now

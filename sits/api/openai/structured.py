@@ -13,7 +13,7 @@ from typing import Any
 
 import jsonschema
 
-from sits.api.protocol import ChatCompletionRequest
+from sits.api.protocol import ChatCompletionRequest, FunctionDefinition
 from sits.engine.errors import InvalidRequestError
 from sits.engine.guided import json_object_grammar, json_schema_grammar
 from sits.engine.tool_format import CALL_OPEN, ParsedOutput, ToolSpec, parse_tool_calls, tool_call_grammar
@@ -35,24 +35,37 @@ class Guidance:
         return parse_tool_calls(text, self.tools) if self.calls_tools else ParsedOutput(text, [], [])
 
 
-def tool_specs(body: ChatCompletionRequest) -> list[ToolSpec]:
+def tool_specs(functions: list[FunctionDefinition], where: str = "tools[{i}].function") -> list[ToolSpec]:
+    """The functions a request offers, checked: unique names, valid parameter schemas (``where``
+    names a function's place in the request, for errors)."""
     specs, seen = [], set()
-    for i, t in enumerate(body.tools or []):
-        fn = t.function
+    for i, fn in enumerate(functions):
         if fn.name in seen:
             raise InvalidRequestError(f"tools[{i}]: a second function named {fn.name!r}", param=f"tools[{i}]",
                                       code="invalid_parameter")
         seen.add(fn.name)
         params = fn.parameters if fn.parameters is not None else {"type": "object", "properties": {}}
-        check_schema(params, f"tools[{i}].function.parameters")
+        check_schema(params, where.format(i=i) + ".parameters")
         specs.append(ToolSpec(fn.name, fn.description, params))
     return specs
 
 
 def chat_guidance(body: ChatCompletionRequest) -> Guidance:
-    tools = tool_specs(body)
     choice = body.tool_choice
-    name = choice if isinstance(choice, str) or choice is None else choice.function.name
+    fmt = body.response_format
+    return make_guidance(tool_specs([t.function for t in body.tools or []]),
+                         choice if isinstance(choice, str) or choice is None else choice.function.name,
+                         fmt.type if fmt is not None else None,
+                         fmt.json_schema.schema_ if fmt is not None and fmt.json_schema is not None else None,
+                         parallel=body.parallel_tool_calls, format_param="response_format",
+                         schema_param="response_format.json_schema.schema")
+
+
+def make_guidance(tools: list[ToolSpec], choice: str | None, json_format: str | None, schema: dict | None, *,
+                  parallel: bool, format_param: str, schema_param: str) -> Guidance:
+    """The grammar for ``tool_choice`` over ``tools``, or for a JSON answer (``json_format``:
+    json_object / json_schema with ``schema``), as both the chat and the Responses API ask for them."""
+    name = choice
     if name is None:
         name = "auto" if tools else "none"
     if name != "none" and not tools:
@@ -60,23 +73,22 @@ def chat_guidance(body: ChatCompletionRequest) -> Guidance:
     if name not in ("none", "auto", "required") and name not in {t.name for t in tools}:
         raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice",
                                   code="invalid_parameter")
-    fmt = body.response_format
-    wants_json = fmt is not None and fmt.type != "text"
+    wants_json = json_format is not None and json_format != "text"
     if wants_json and name != "none":
-        raise InvalidRequestError("response_format asks for JSON and tool_choice for tool calls: use one "
-                                  '(tool_choice: "none" to answer in JSON)', param="response_format",
+        raise InvalidRequestError(f"{format_param} asks for JSON and tool_choice for tool calls: use one "
+                                  '(tool_choice: "none" to answer in JSON)', param=format_param,
                                   code="invalid_parameter")
     if name != "none":
-        return Guidance(tool_call_grammar(tools, name, parallel=body.parallel_tool_calls), tools, name)
+        return Guidance(tool_call_grammar(tools, name, parallel=parallel), tools, name)
     if not wants_json:
         return Guidance(None, tools, "none")
-    if fmt.type == "json_object":
+    if json_format == "json_object":
         return Guidance(json_object_grammar(), tools, "none")
-    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        raise InvalidRequestError('response_format {"type": "json_schema"} needs json_schema.schema',
-                                  param="response_format", code="invalid_parameter")
-    check_schema(fmt.json_schema.schema_, "response_format.json_schema.schema")
-    return Guidance(json_schema_grammar(fmt.json_schema.schema_), tools, "none")
+    if schema is None:
+        raise InvalidRequestError(f'{format_param} {{"type": "json_schema"}} needs {schema_param}',
+                                  param=format_param, code="invalid_parameter")
+    check_schema(schema, schema_param)
+    return Guidance(json_schema_grammar(schema), tools, "none")
 
 
 def check_schema(schema: dict[str, Any], param: str) -> None:
