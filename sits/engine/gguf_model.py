@@ -3,8 +3,10 @@
 Everything the engine needs comes from the one file: the config from its ``llama.*`` metadata, the
 weights dequantized at load (F32, F16, BF16, Q8_0, Q4_0, Q4_1 and the K-quants the ``gguf`` package
 can dequantize) with llama.cpp's Q/K row permutation undone, and the tokenizer rebuilt from its
-``tokenizer.ggml.*`` metadata. The tokenizer follows the file, not transformers' GGUF conversion,
-which gets SmolLM2 wrong (its EOS, a BOS the file says not to add, no single-digit split).
+``tokenizer.ggml.*`` metadata: GPT-2 style BPE (``gpt2``) or SentencePiece (``llama``: Llama-2,
+Mistral, TinyLlama). The tokenizer follows the file and llama.cpp's rules, not transformers' GGUF
+conversion, which gets SmolLM2 wrong (its EOS, a BOS the file says not to add, no single-digit split)
+and SentencePiece text that starts with a space or follows a special token.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ _LAYER_TENSORS = {
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # token types (gguf.TokenType)
-_CONTROL, _USER_DEFINED = 3, 4
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 1, 2, 3, 4, 6
+_SPM_DEFAULT_IDS = {"unknown": 0, "bos": 1, "eos": 2}
 # llama.cpp's pre-tokenizer regexes by ``tokenizer.ggml.pre``: (split each digit first, the regex)
 _GPT2_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"""
 _LLAMA3_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
@@ -121,8 +124,7 @@ class GGUFModel:
             "rms_norm_eps": float(self._a("attention.layer_norm_rms_epsilon", 1e-6)),
             "rope_theta": float(self._a("rope.freq_base", 10000.0)),
             "tie_word_embeddings": "output.weight" not in names,
-            "bos_token_id": self.meta.get("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": self.meta.get("tokenizer.ggml.eos_token_id"),
+            "bos_token_id": self._special_id("bos"), "eos_token_id": self._special_id("eos"),
             # dequantized weights are fp32, but their precision is the file's: auto may compute in bf16
             "torch_dtype": "bfloat16" if low_precision else "float32",
         }
@@ -164,22 +166,61 @@ class GGUFModel:
         return out
 
     # -- tokenizer -------------------------------------------------------------------------------
+    def _special_id(self, name: str) -> int | None:
+        """A special token id from the file, or llama.cpp's default for a SentencePiece vocabulary
+        (<unk>, <s>, </s> = 0, 1, 2), which older Llama conversions rely on."""
+        value = self.meta.get(f"tokenizer.ggml.{name}_token_id")
+        if value is None and self.meta.get("tokenizer.ggml.model") == "llama":
+            value = _SPM_DEFAULT_IDS.get(name)
+        return None if value is None else int(value)
+
     def tokenizer(self):
-        import tokenizers
-        from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+        from tokenizers import AddedToken, processors
 
         from sits.engine.tokenizer import Tokenizer
 
         kind = self.meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind not in ("gpt2", "llama"):
             raise UnsupportedModelError(f"{self.path}: tokenizer model {kind!r} is not supported yet (GPT-2 style "
-                                        "BPE vocabularies are)", param="model")
+                                        "BPE ('gpt2') and SentencePiece ('llama') vocabularies are)", param="model")
+        spm = kind == "llama"
+        tokens = [str(t) for t in self._field("tokenizer.ggml.tokens")]
+        types = [int(t) for t in self._field("tokenizer.ggml.token_type")] or [_NORMAL] * len(tokens)
+
+        def token(name: str) -> tuple[int | None, str | None]:
+            i = self._special_id(name)
+            return (i, tokens[i]) if i is not None and 0 <= i < len(tokens) else (None, None)
+
+        bos_id, bos = token("bos")
+        eos_id, eos = token("eos")
+        pad_id, pad = token("padding")
+        backend = self._spm_backend(tokens, types, token("unknown")[1]) if spm else self._gpt2_backend(tokens)
+        # llama.cpp matches control and unknown tokens in the text as themselves, user-defined ones always
+        backend.add_special_tokens([AddedToken(tok, special=True, normalized=False)
+                                    for tok, ty in zip(tokens, types) if ty in (_CONTROL, _UNKNOWN)])
+        backend.add_tokens([AddedToken(tok, special=False, normalized=False)
+                            for tok, ty in zip(tokens, types) if ty == _USER_DEFINED])
+        # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says not to
+        add_bos = bool(self.meta.get("tokenizer.ggml.add_bos_token", spm)) and bos is not None
+        add_eos = bool(self.meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+        single = " ".join([f"{bos}:0"] * add_bos + ["$A:0"] + [f"{eos}:0"] * add_eos)
+        specials = [(t, i) for t, i, on in ((bos, bos_id, add_bos), (eos, eos_id, add_eos)) if on]
+        if specials:
+            backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
+        elif not spm:
+            backend.post_processor = processors.ByteLevel(trim_offsets=False)
+        return Tokenizer(backend, eos_token_ids=[eos_id] if eos_id is not None else [], bos_token_id=bos_id,
+                         pad_token_id=pad_id, bos_token=bos, eos_token=eos, pad_token=pad,
+                         chat_template=self.meta.get("tokenizer.chat_template"), source=str(self.path))
+
+    def _gpt2_backend(self, tokens: list[str]):
+        import tokenizers
+        from tokenizers import decoders, models, pre_tokenizers
+
         pre = str(self.meta.get("tokenizer.ggml.pre", "default"))
         if pre not in _PRE_TOKENIZERS:
             raise UnsupportedModelError(f"{self.path}: pre-tokenizer {pre!r} is not known; known: "
                                         f"{', '.join(sorted(_PRE_TOKENIZERS))}", param="model")
-        tokens = [str(t) for t in self._field("tokenizer.ggml.tokens")]
-        types = [int(t) for t in self._field("tokenizer.ggml.token_type")] or [1] * len(tokens)
         merges = [tuple(str(m).split(" ", 1)) for m in self._field("tokenizer.ggml.merges")]
         vocab = {tok: i for i, tok in enumerate(tokens)}
         backend = tokenizers.Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
@@ -189,27 +230,42 @@ class GGUFModel:
                   pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
         backend.decoder = decoders.ByteLevel()
-        backend.add_special_tokens([AddedToken(tok, special=True, normalized=False)
-                                    for tok, ty in zip(tokens, types) if ty == _CONTROL])
-        backend.add_tokens([AddedToken(tok, special=False, normalized=False)
-                            for tok, ty in zip(tokens, types) if ty == _USER_DEFINED])
+        return backend
 
-        def token(key: str) -> tuple[int | None, str | None]:
-            i = self.meta.get(key)
-            return (int(i), tokens[int(i)]) if i is not None and 0 <= int(i) < len(tokens) else (None, None)
+    def _spm_backend(self, tokens: list[str], types: list[int], unk: str | None):
+        """llama.cpp's SPM tokenizer as a ``tokenizers`` BPE: each text fragment (the text between
+        special tokens) gets a leading space, spaces become ``▁``, the adjacent pair forming the
+        best-scoring token merges first, and characters left outside the vocabulary fall back to
+        ``<0xNN>`` byte tokens. A normalizer rather than ``Metaspace`` adds the space, because
+        ``Metaspace`` adds none to text that already starts with one, and llama.cpp does."""
+        import tokenizers
+        from tokenizers import decoders, models, normalizers
 
-        bos_id, bos = token("tokenizer.ggml.bos_token_id")
-        eos_id, eos = token("tokenizer.ggml.eos_token_id")
-        pad_id, pad = token("tokenizer.ggml.padding_token_id")
-        add_bos = bool(self.meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
-        add_eos = bool(self.meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
-        single = " ".join([f"{bos}:0"] * add_bos + ["$A:0"] + [f"{eos}:0"] * add_eos)
-        specials = [(t, i) for t, i, on in ((bos, bos_id, add_bos), (eos, eos_id, add_eos)) if on]
-        backend.post_processor = (processors.TemplateProcessing(single=single, special_tokens=specials)
-                                  if specials else processors.ByteLevel(trim_offsets=False))
-        return Tokenizer(backend, eos_token_ids=[eos_id] if eos_id is not None else [], bos_token_id=bos_id,
-                         pad_token_id=pad_id, bos_token=bos, eos_token=eos, pad_token=pad,
-                         chat_template=self.meta.get("tokenizer.chat_template"), source=str(self.path))
+        scores = [float(s) for s in self._field("tokenizer.ggml.scores")] or [0.0] * len(tokens)
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        backend = tokenizers.Tokenizer(models.BPE(vocab, _spm_merges(tokens, types, scores), unk_token=unk,
+                                                  byte_fallback=True, fuse_unk=False))
+        space_prefix = bool(self.meta.get("tokenizer.ggml.add_space_prefix", True))
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581")] * space_prefix
+                                                  + [normalizers.Replace(" ", "\u2581")])
+        # decoding drops the space the encoder added (once, at the start), as SentencePiece does
+        backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                             decoders.Fuse()] + [decoders.Strip(" ", 1, 0)] * space_prefix)
+        return backend
+
+
+def _spm_merges(tokens: list[str], types: list[int], scores: list[float]) -> list[tuple[str, str]]:
+    """Every way to make a token from two tokens, the best-scoring result first: BPE then merges what
+    llama.cpp's SPM loop merges (equal scores aside: llama.cpp takes the leftmost pair, BPE the
+    earlier listed). Byte, control and unknown tokens are never built from text."""
+    ids = {tok: i for i, tok in enumerate(tokens) if types[i] not in (_BYTE, _CONTROL, _UNKNOWN)}
+    found = []
+    for tok, i in ids.items():
+        for cut in range(1, len(tok)):
+            if tok[:cut] in ids and tok[cut:] in ids:
+                found.append((-scores[i], i, cut))
+    found.sort()
+    return [(tokens[i][:cut], tokens[i][cut:]) for _, i, cut in found]
 
 
 def _hf_name(gguf_name: str) -> str | None:
