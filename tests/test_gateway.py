@@ -128,6 +128,27 @@ def test_control_api_deploy_scale_delete_and_errors(gateway):
     wait_for(lambda: all(not _alive(p) for p in pids), what="the deleted unit's processes to exit")
 
 
+def test_a_units_sampling_defaults_fill_what_a_request_leaves_unset(gateway):
+    """``sampling:`` in a unit (as vLLM's --override-generation-config): greedy by default here, so two
+    requests that leave temperature unset answer alike whatever their seeds; a request's own value wins."""
+    srv, gw, data, model = gateway
+    spec = unit("greedy", model).model_dump() | {"sampling": {"temperature": 0.0, "max_tokens": 6}}
+    assert httpx.post(srv.url + "/v1/units", json=spec).status_code == 201
+    try:
+        def complete(**kw):
+            r = httpx.post(srv.url + "/v1/completions", timeout=60, json={"model": "greedy", "prompt": "Once upon",
+                                                                          **kw})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"], r.json()["usage"]["completion_tokens"]
+        unset = [complete(max_tokens=None, seed=s) for s in (1, 2)]
+        assert unset[0] == unset[1] == complete(temperature=0.0, max_tokens=6) and unset[0][1] == 6
+        assert complete(max_tokens=3)[1] == 3
+        bad = httpx.post(srv.url + "/v1/units", json=spec | {"name": "hot", "sampling": {"temperature": 9}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling.temperature"
+    finally:
+        httpx.delete(srv.url + "/v1/units/greedy")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -67,7 +67,7 @@ class UnitBackend:
             ttft_slo_ms=spec.slo.ttft_ms, tools=tuple(spec.tools), tool_dirs=dict(spec.tool_dirs),
             python_tools=spec.python_tools, memory_set=spec.memory.set if spec.memory else None,
             memory_top_k=spec.memory.top_k if spec.memory else DEFAULT_MEMORY_TOP_K)
-        self.sampling_defaults = generation_defaults(spec.model)
+        self.sampling_defaults = generation_defaults(spec.model) | spec.sampling.overrides()
         self.host = host
         self.pool = UnitPool(spec, on_event=lambda kind, data: host.record(spec.name, kind, data),
                              launcher=host.launcher, tokenizer=self.tokenizer, limits=self.limits)

@@ -29,6 +29,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
 
 from sits.engine.config import EngineConfig
 from sits.engine.errors import SitsError
+from sits.engine.sampling_params import MIN_REPETITION_PENALTY
 from sits.faults.spec import FaultsSpec
 from sits.runtime.sla import SlaSpec
 from sits.runtime.trigger import TriggerError, parse_trigger
@@ -108,6 +109,21 @@ class MemorySpec(_Strict):
         "minilm", description="minilm (all-MiniLM-L6-v2, offline) or unit: this unit's own model, mean-pooled")
 
 
+class SamplingDefaultsSpec(_Strict):
+    """What a request that leaves a sampling parameter unset gets from this unit: over the model's own
+    ``generation_config.json`` (as vLLM's ``--override-generation-config``)."""
+
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=10.0)
+    max_tokens: int | None = Field(None, ge=1, description="a default cap on new tokens")
+
+    def overrides(self) -> dict[str, float]:
+        return self.model_dump(exclude_none=True)
+
+
 # host directories a tool must never be handed: trees of kernel interfaces, devices, configuration
 # and secrets (at any depth), and directories that hold the whole system or everyone's files
 _SYSTEM_TREES = ("/proc", "/sys", "/dev", "/etc", "/boot", "/run")
@@ -145,6 +161,8 @@ class UnitSpec(_Strict):
                                           description="host directory behind each guest directory a tool declares")
     python_tools: bool = Field(False, description="allow tools with runtime: python (a subprocess, not a sandbox)")
     memory: MemorySpec | None = Field(None, description="retrieval for every request (a RAG unit)")
+    sampling: SamplingDefaultsSpec = Field(default_factory=SamplingDefaultsSpec,
+                                           description="defaults for what a request leaves unset")
 
     @field_validator("tools")
     @classmethod
