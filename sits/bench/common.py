@@ -31,8 +31,9 @@ def add_bench_command(subparsers: argparse._SubParsersAction, name: str, help: s
     if repeats:
         p.add_argument("--repeats", type=int, default=repeats_default, help=repeats)
     p.add_argument("--json", default=None, help="write the results as JSON to this file")
-    p.add_argument("--write-docs", default=None,
-                   help="put the results section in this markdown file (replacing its previous one)")
+    p.add_argument("--write-docs", default=None, metavar="FILE[#TAG]",
+                   help="put the results section in this markdown file (replacing its previous one; with "
+                        "#TAG, the previous one of that tag, so runs on several models stay side by side)")
     p.set_defaults(func=run)
     return p
 
@@ -71,10 +72,13 @@ def publish(result: dict, name: str, markdown, begin: str, end: str, json_out: s
     path)``, the plot in ``img/<name>_bench.png`` beside the docs), where asked; returns the result."""
     write_json(json_out, result)
     if docs_out:
-        docs = Path(docs_out)
+        docs_path, _, tag = docs_out.partition("#")     # FILE#TAG: a section of its own per tag
+        if tag:
+            begin, end = (m.replace(":", f" [{tag}]:", 1) for m in (begin, end))
+        docs = Path(docs_path)
         args = [result, bench_command(name)]
         if plot is not None:
-            path = docs.parent / "img" / f"{name}_bench.png"
+            path = docs.parent / "img" / (f"{name}_{tag}_bench.png" if tag else f"{name}_bench.png")
             plot(result, path)
             args.append(os.path.relpath(path, docs.parent))
         write_docs(docs, markdown(*args), begin, end)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from sits.bench.common import add_bench_command, publish
 from sits.bench.common import log as _log
 from sits.bench.common import pct as _pct
+from sits.bench.hf_baseline import load_hf_causal_lm, vocab_size
 from sits.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:    # torch and the engine load when the benchmark runs, not with `sits --help`
@@ -146,7 +147,7 @@ def isolated_ttft(engine: LLMEngine, arrivals: list[Arrival]) -> dict:
 
 
 def bench_bursty(model: str, hw: Hardware, quick: bool, repeats: int) -> dict:
-    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    vocab = vocab_size(model)
     prompt_range = (16, 256) if quick else (16, 1024)
     if quick:
         arrivals = bursty_workload(vocab, n=12, bursts=2, gap_s=2.0, prompt_range=prompt_range, output_range=(8, 32))
@@ -212,14 +213,12 @@ def _hf_decode(hf, prompts: list[list[int]], out_len: int, batched: bool, pad_id
 
 
 def bench_decode(model: str, hw: Hardware, quick: bool, repeats: int) -> dict:
-    from transformers import LlamaForCausalLM as HFLlama   # benchmark-only dependency
-
-    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    vocab = vocab_size(model)
     rng = random.Random(1)
     out_len = 16 if quick else 64
     levels = [1, 8] if quick else [1, 8, 32]
     eng = _engine(model, hw, enable_prefix_caching=False)
-    hf = HFLlama.from_pretrained(model, torch_dtype=eng.dtype).to(hw.device).eval()     # the engine's own dtype
+    hf = load_hf_causal_lm(model, eng.dtype, hw.device)     # the engine's own dtype and weights
     res: dict[str, dict] = {}
     for c in levels:
         prompts = [[rng.randrange(5, vocab) for _ in range(32)] for _ in range(c)]
@@ -239,7 +238,7 @@ def bench_decode(model: str, hw: Hardware, quick: bool, repeats: int) -> dict:
 
 
 def bench_prefix(model: str, hw: Hardware, quick: bool, repeats: int) -> dict:
-    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    vocab = vocab_size(model)
     rng = random.Random(2)
     system = [rng.randrange(5, vocab) for _ in range(512)]
     n = 4 if quick else 8

@@ -16,8 +16,10 @@ from torch import nn
 
 QUANTIZATIONS = ("int8",)
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Rows of activations up to which the int8 kernel is used; more rows dequantize the weight instead.
-INT8_KERNEL_MAX_ROWS = 4
+# Rows of activations up to which the int8 kernel is used; more rows dequantize the weight instead
+# (the kernel's cost grows with the rows, a dequantized matmul's hardly: where they cross was
+# measured on SmolLM2's shapes, docs/benchmarks.md).
+INT8_KERNEL_MAX_ROWS = 32
 
 
 def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
