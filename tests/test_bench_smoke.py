@@ -122,3 +122,19 @@ def test_dtype_bench_measures_each_dtype_against_fp32(tiny_model_dir, tmp_path):
     text = docs.read_text()
     assert text.count(dtype_bench.DOC_BEGIN) == 1 and "auto (= float32)" in text and "greedy agreement" in text
     assert (tmp_path / "img" / "dtype_bench.png").stat().st_size > 1000
+
+
+def test_a_docs_tag_keeps_a_section_per_model(tmp_path):
+    from sits.bench.common import publish
+    begin, end = "<!-- sits bench x: begin -->", "<!-- sits bench x: end -->"
+
+    def markdown(result, command):
+        return f"{begin}\n## X\n\n{result['v']}\n\n{end}"
+
+    docs = tmp_path / "b.md"
+    for v, target in ((1, docs), (2, f"{docs}#big"), (3, docs), (4, f"{docs}#big")):
+        publish({"v": v}, "x", markdown, begin, end, None, str(target))
+    text = docs.read_text()
+    assert text.count("## X") == 1 and text.count("## [big] X") == 1
+    assert "\n3\n" in text and "\n4\n" in text and "\n1\n" not in text and "\n2\n" not in text
+    assert text.count("<!-- sits bench x [big]: begin -->") == 1

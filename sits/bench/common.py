@@ -73,15 +73,17 @@ def publish(result: dict, name: str, markdown, begin: str, end: str, json_out: s
     write_json(json_out, result)
     if docs_out:
         docs_path, _, tag = docs_out.partition("#")     # FILE#TAG: a section of its own per tag
-        if tag:
-            begin, end = (m.replace(":", f" [{tag}]:", 1) for m in (begin, end))
+        tagged = (begin, end) if not tag else tuple(m.replace(":", f" [{tag}]:", 1) for m in (begin, end))
         docs = Path(docs_path)
         args = [result, bench_command(name)]
         if plot is not None:
             path = docs.parent / "img" / (f"{name}_{tag}_bench.png" if tag else f"{name}_bench.png")
             plot(result, path)
             args.append(os.path.relpath(path, docs.parent))
-        write_docs(docs, markdown(*args), begin, end)
+        section = markdown(*args)
+        if tag:      # the section's markers and its title name its tag
+            section = section.replace(begin, tagged[0]).replace(end, tagged[1]).replace("\n## ", f"\n## [{tag}] ", 1)
+        write_docs(docs, section, *tagged)
     return result
 
 
