@@ -80,7 +80,7 @@ def test_greedy_tokens_and_logits_match_transformers_on_the_same_file(engine):
         got = engine.model.forward_dense(x)
         want = hf(input_ids=x).logits.float()
     assert ours == ref
-    assert (got - want).abs().max().item() <= 1e-3
+    assert (got - want).abs().max().item() <= 1e-4     # transformers sdpa vs its own eager: 6e-5
 
 
 def test_a_file_that_is_not_gguf_is_not_taken_for_one(tmp_path, tiny_model_dir):
