@@ -49,7 +49,8 @@ def test_a_bf16_checkpoint_is_served_in_bf16_from_the_mapped_file(tmp_path, tiny
     if not cpu_computes_bf16():
         pytest.skip("this CPU has no native bf16: auto is fp32 here")
     _checkpoint(tmp_path, torch.bfloat16, tokenizer_from=tiny_model_dir)
-    engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", warmup=False, kv_cache_memory_mb=8))
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", warmup=False, kv_cache_memory_mb=8,
+                                    pack_weights=False))
     assert engine.dtype == torch.bfloat16 and engine.kv_cache.layers[0].dtype == torch.bfloat16
     # views into the file's mapping, not copies: two weights lie as far apart as in the file
     header = SafetensorsFile(tmp_path / "model.safetensors").header
@@ -59,6 +60,30 @@ def test_a_bf16_checkpoint_is_served_in_bf16_from_the_mapped_file(tmp_path, tiny
             == header[b]["data_offsets"][0] - header[a]["data_offsets"][0])
     out = engine.generate([[1, 2, 3]], [SamplingParams(max_tokens=4, **GREEDY)])
     assert len(out[0]["token_ids"]) == 4
+
+
+def test_packed_bf16_linears_give_the_same_tokens_and_logits(tmp_path, tiny_model_dir):
+    """Pre-packing bf16 weights for oneDNN (the default on a bf16 CPU), with q/k/v and gate/up merged,
+    changes the layout, not the output: the same greedy tokens and logprobs as the plain mapped weights."""
+    if not cpu_computes_bf16():
+        pytest.skip("this CPU has no native bf16: nothing is packed here")
+    _checkpoint(tmp_path, torch.bfloat16, tokenizer_from=tiny_model_dir)
+
+    def run(pack: bool):
+        engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", warmup=False, kv_cache_memory_mb=8,
+                                        pack_weights=pack, max_num_batched_tokens=16))
+        packed = [m for m in engine.model.modules() if getattr(m, "packed", None) is not None]
+        seqs = [engine.add_request(list(range(7, 7 + n)), SamplingParams(max_tokens=12, logprobs=0, **GREEDY))
+                for n in (5, 40)]
+        logprobs = []
+        while engine.has_unfinished:
+            logprobs += [(ev.request_id, ev.logprob) for ev in engine.step()]
+        return len(packed), [list(s.output_token_ids) for s in seqs], logprobs
+
+    n_plain, tokens_plain, lp_plain = run(False)
+    n_packed, tokens_packed, lp_packed = run(True)
+    assert n_plain == 0 and n_packed == 2 * 4 + 1     # qkv, o, gate_up, down per layer and the LM head
+    assert tokens_packed == tokens_plain and lp_packed == lp_plain
 
 
 def test_sharded_checkpoints_follow_their_index(tmp_path, tiny_model_dir):

@@ -38,8 +38,8 @@ def test_an_int8_engine_halves_the_projections_and_still_generates(tiny_model_di
 
     plain, quant = engine(), engine(quantization="int8")
     projections = [m for m in quant.model.modules() if isinstance(m, Int8Linear)]
-    assert len(projections) == 7 * quant.model_config.num_hidden_layers
-    proj_bf16 = sum(p.numel() * 2 for name, p in plain.model.named_parameters() if "proj" in name)
+    assert len(projections) == 4 * quant.model_config.num_hidden_layers     # qkv, o, gate_up, down
+    proj_bf16 = sum(m.num_weights * 2 for name, m in plain.model.named_modules() if name.endswith("proj"))
     proj_int8 = sum(m.qweight.numel() + m.scale.numel() * 2 for m in projections)
     assert proj_int8 < 0.52 * proj_bf16
     assert weight_bytes(quant.model) < weight_bytes(plain.model)

@@ -2,7 +2,9 @@
 prefill and decode speed, and the quality int8 costs.
 
 This is the measurement behind ``dtype: auto`` on a CPU (bf16 where the CPU multiplies it
-natively) and behind ``--quantization int8``. A variant is a dtype, or ``dtype+int8``. Each dtype runs in a child process of its own (weights, allocator and thread pool are
+natively), behind ``--quantization int8`` and behind pre-packed bf16 weights. A variant is a dtype,
+then ``+int8`` for int8 weights and ``+plain`` for weights not pre-packed (``pack_weights: false``).
+Each variant runs in a child process of its own (weights, allocator and thread pool are
 per process), the dtypes taking turns round by round, order reversed every round; figures are
 medians over rounds. The baseline is the first variant, measured in the same run. With
 ``--quality-tokens N``, each variant's next-token distributions over N tokens of text (the end of
@@ -24,7 +26,7 @@ from sits.bench.common import add_bench_command, grouped_bars, log, publish
 DOC_BEGIN = "<!-- sits bench dtype: begin -->"
 DOC_END = "<!-- sits bench dtype: end -->"
 METRICS = {"prefill_ms": "prefill of {prompt} tokens, ms", "decode_b1_ms": "decode, 1 stream, ms per token",
-           "decode_b8_ms": "decode, 8 streams, ms per step"}
+           "decode_b8_ms": "decode, 8 streams, ms per step", "decode_b32_ms": "decode, 32 streams, ms per step"}
 
 _CHILD = r"""
 import json, statistics, sys, time
@@ -32,10 +34,10 @@ cfg = json.loads(sys.argv[1])
 from sits.engine.config import EngineConfig
 from sits.engine.llm_engine import LLMEngine
 from sits.engine.sampling_params import SamplingParams
-dtype, _, quant = cfg["variant"].partition("+")
-eng = LLMEngine(EngineConfig(model=cfg["model"], device="cpu", dtype=dtype, warmup=False, threads=cfg["threads"],
+from sits.bench.dtype_bench import variant_config
+eng = LLMEngine(EngineConfig(model=cfg["model"], device="cpu", warmup=False, threads=cfg["threads"],
                              kv_cache_memory_mb=256, max_num_batched_tokens=max(256, cfg["prompt"]),
-                             quantization=quant or None))
+                             **variant_config(cfg["variant"])))
 vocab = eng.model_config.vocab_size
 def run(prompts, n):
     t = time.perf_counter()
@@ -49,9 +51,20 @@ out = {"prefill_ms": statistics.median(run([ids(10 + i, cfg["prompt"])], 1) for 
        "decode_b1_ms": statistics.median(run([ids(20 + i, 16)], steps) for i in range(3)) * 1e3 / steps,
        "decode_b8_ms": statistics.median(run([ids(30 + i * 8 + j, 16) for j in range(8)], steps)
                                          for i in range(3)) * 1e3 / steps,
-       "resolved_dtype": str(eng.dtype).removeprefix("torch.") + ("+" + quant if quant else "")}
+       "decode_b32_ms": statistics.median(run([ids(60 + i * 32 + j, 16) for j in range(32)], steps)
+                                          for i in range(2)) * 1e3 / steps,
+       "resolved_dtype": str(eng.dtype).removeprefix("torch.") + "".join("+" + f for f in cfg["variant"].split("+")[1:])}
 print(json.dumps(out))
 """
+
+
+def variant_config(variant: str) -> dict:
+    """``EngineConfig`` fields of a variant: ``dtype[+int8][+plain]``."""
+    dtype, *flags = variant.split("+")
+    unknown = set(flags) - {"int8", "plain"}
+    if unknown:
+        raise ValueError(f"variant {variant!r}: unknown flag(s) {sorted(unknown)} (int8, plain)")
+    return {"dtype": dtype, "quantization": "int8" if "int8" in flags else None, "pack_weights": "plain" not in flags}
 
 
 def _measure(model: str, variant: str, threads: int, prompt: int, steps: int) -> dict:
@@ -74,9 +87,8 @@ def quality(model: str, variants: list[str], reference: str, tokens: int, window
     from sits.engine.llm_engine import LLMEngine
 
     def engine(variant: str) -> LLMEngine:
-        dtype, _, quant = variant.partition("+")
-        return LLMEngine(EngineConfig(model=model, device="cpu", dtype=dtype, warmup=False, threads=threads,
-                                      kv_cache_memory_mb=16, quantization=quant or None))
+        return LLMEngine(EngineConfig(model=model, device="cpu", warmup=False, threads=threads, kv_cache_memory_mb=16,
+                                      **variant_config(variant)))
 
     ref = engine(reference)
     text = files("sits").joinpath("data/corpus.txt").read_text()
@@ -126,8 +138,8 @@ def run_dtype_bench(model: str, *, dtypes: list[str], threads: int | None = None
 def _markdown(r: dict, command: str, plot_path: str) -> str:
     base = r["baseline"]
     head = "| dtype | " + " | ".join(label.format(prompt=r["prompt"]) for label in METRICS.values()) + \
-           f" | speed-up vs {base} (prefill / decode 1 / decode 8) |"
-    lines = [DOC_BEGIN, "## Compute dtype on this CPU (`sits bench dtype`)", "", f"Command: `{command}`  ",
+           f" | speed-up vs {base} (prefill / decode 1 / decode 8 / decode 32) |"
+    lines = [DOC_BEGIN, "## Compute dtype and weight layout on this CPU (`sits bench dtype`)", "", f"Command: `{command}`  ",
              f"Model `{r['model']}`, {r['threads']} thread(s), each dtype in its own process, medians of "
              f"{r['rounds']} rounds taken in turn (order reversed every round), greedy, {r['steps']} decode steps.",
              "", head, "|" + "---|" * (head.count("|") - 1)]

@@ -197,6 +197,8 @@ class EngineConfig:
     device: str = "auto"                 # "cpu", "cuda", "cuda:1", or "auto"
     dtype: str = "auto"                  # weights and KV cache; auto follows the checkpoint (resolve_dtype)
     quantization: str | None = None      # "int8": projections' weights quantized at load (engine/quantization.py)
+    pack_weights: bool = True            # bf16 on a bf16 CPU: linears pre-packed for oneDNN (faster steps; the
+                                         # weights are then a private copy, not views of the mapped file)
     threads: int | None = None           # intra-op threads on CPU (None: all cores)
     block_size: int = 16                 # tokens per KV block
     num_kv_blocks: int | None = None     # None: derived from kv_cache_memory_mb

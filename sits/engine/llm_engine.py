@@ -19,6 +19,7 @@ from sits.engine.block_pool import BlockPool
 from sits.engine.cold_start import ColdStartReport, process_age_s
 from sits.engine.config import EngineConfig, ModelConfig, generation_defaults, resolve_device, resolve_dtype
 from sits.engine.host_memory import keep_step_buffers_in_heap
+from sits.engine.layers.linear import can_pack, pack_linears
 from sits.engine.quantization import quantize_model
 from sits.engine.detokenizer import IncrementalDetokenizer
 from sits.engine.errors import EngineStepError, InvalidRequestError, NonFiniteLogitsError, SitsError
@@ -44,12 +45,29 @@ class _Request:
     stop_ids: frozenset[int]
 
 
+def prepare_weights(model: torch.nn.Module, cfg: EngineConfig, dtype: torch.dtype,
+                    device: torch.device) -> torch.nn.Module:
+    """The loaded weights as they will serve: q/k/v and gate/up merged where the weights are copied
+    anyway (packed, quantized or on a GPU; mapped fp32 weights on a CPU stay views of the file),
+    quantized when asked, then laid out for the device's kernels (bf16 linears pre-packed for oneDNN
+    on a CPU that computes bf16)."""
+    pack = cfg.pack_weights and can_pack(dtype, device)
+    if pack or cfg.quantization is not None or device.type == "cuda":   # the weights are copied anyway
+        model.fuse_projections()
+    if cfg.quantization is not None:
+        quantize_model(model, cfg.quantization, dtype)
+    if pack:
+        pack_linears(model)
+    return model
+
+
 @dataclass(slots=True)
 class PreloadedModel:
     """A model and tokenizer built ahead of time (by a zygote, before it forks engines on CPU)."""
 
     model_dir: str
     dtype: str
+    layout: tuple[str | None, bool]    # (quantization, pack_weights): how the weights were prepared
     max_model_len: int
     model_config: ModelConfig
     model: torch.nn.Module
@@ -60,15 +78,17 @@ class PreloadedModel:
         mc = ModelConfig.from_dir(cfg.model)
         max_len = plan_limits(cfg, mc).max_model_len
         cpu = torch.device("cpu")
-        model = load_model(cfg.model, mc, cpu, resolve_dtype(cfg.dtype, cpu, mc.torch_dtype), max_len)
-        return cls(str(cfg.model), cfg.dtype, max_len, mc, model, Tokenizer.from_dir(cfg.model))
+        dtype = resolve_dtype(cfg.dtype, cpu, mc.torch_dtype)
+        model = prepare_weights(load_model(cfg.model, mc, cpu, dtype, max_len), cfg, dtype, cpu)
+        return cls(str(cfg.model), cfg.dtype, (cfg.quantization, cfg.pack_weights), max_len, mc, model,
+                   Tokenizer.from_dir(cfg.model))
 
     @staticmethod
     def key(cfg: EngineConfig) -> tuple:
-        return (os.path.realpath(str(cfg.model)), cfg.dtype, cfg.max_model_len)
+        return (os.path.realpath(str(cfg.model)), cfg.dtype, cfg.quantization, cfg.pack_weights, cfg.max_model_len)
 
     def fits(self, cfg: EngineConfig, device: torch.device) -> bool:
-        return (device.type == "cpu" and self.dtype == cfg.dtype
+        return (device.type == "cpu" and self.dtype == cfg.dtype and self.layout == (cfg.quantization, cfg.pack_weights)
                 and os.path.realpath(self.model_dir) == os.path.realpath(str(cfg.model))
                 and self.max_model_len == plan_limits(cfg, self.model_config).max_model_len)
 
@@ -95,10 +115,9 @@ class LLMEngine:
             self.max_model_len = self.limits.max_model_len
         self.inherited_weights = preloaded is not None
         with self.report.phase("weights"):
-            self.model = preloaded.model if preloaded else load_model(cfg.model, self.model_config, self.device,
-                                                                      self.dtype, self.max_model_len)
-            if cfg.quantization is not None:
-                quantize_model(self.model, cfg.quantization, self.dtype)
+            self.model = preloaded.model if preloaded else prepare_weights(
+                load_model(cfg.model, self.model_config, self.device, self.dtype, self.max_model_len),
+                cfg, self.dtype, self.device)
         with self.report.phase("tokenizer"):
             self.tokenizer = preloaded.tokenizer if preloaded else Tokenizer.from_dir(cfg.model)
             self.sampling_defaults = generation_defaults(cfg.model)

@@ -135,4 +135,5 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
 
 
 def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+    packed = (getattr(m, "packed", None) for m in model.modules())     # oneDNN-laid-out linears
+    return sum(p.numel() for p in model.parameters()) + sum(p.numel() for p in packed if p is not None)

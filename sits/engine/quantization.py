@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 QUANTIZATIONS = ("int8",)
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                "gate_up_proj")
 # Rows of activations up to which the int8 kernel is used; more rows dequantize the weight instead
 # (the kernel's cost grows with the rows, a dequantized matmul's hardly: where they cross was
 # measured on SmolLM2's shapes, docs/benchmarks.md).
@@ -62,7 +63,7 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> int:
     for parent in list(model.modules()):
         for name in _PROJECTIONS:
             child = getattr(parent, name, None)
-            if child is not None and not isinstance(child, Int8Linear) and hasattr(child, "weight"):
+            if child is not None and not isinstance(child, Int8Linear) and getattr(child, "weight", None) is not None:
                 setattr(parent, name, Int8Linear(child.weight.data, getattr(child, "bias", None), dtype))
                 swapped += 1
     return swapped
@@ -76,4 +77,5 @@ def weight_bytes(model: nn.Module) -> int:
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
-    return total
+    packed = (getattr(m, "packed", None) for m in model.modules())     # oneDNN-laid-out linears
+    return total + sum(p.numel() * p.element_size() for p in packed if p is not None)

@@ -17,6 +17,7 @@ from torch import nn
 
 from sits.engine.config import ModelConfig
 from sits.engine.errors import UnsupportedModelError
+from sits.engine.layers.linear import Linear, fuse_linears
 
 
 @dataclass(slots=True)
@@ -136,22 +137,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-class Linear(nn.Module):
-    """``nn.Linear`` without the random init: weights always come from a checkpoint (or the model
-    builder's own seeded init), and skipping ``reset_parameters`` keeps meta-device construction from
-    importing torch's compiler stack on the cold-start path (seconds)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
 class Embedding(nn.Module):
-    """``nn.Embedding`` without the random init (see ``Linear``)."""
+    """``nn.Embedding`` without the random init (see ``layers.linear.Linear``)."""
 
     def __init__(self, num_embeddings: int, dim: int):
         super().__init__()
@@ -187,12 +174,24 @@ class Attention(nn.Module):
         self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.gqa = self.num_heads != self.num_kv_heads
+        self.qkv_proj: Linear | None = None     # q|k|v in one matmul, once ``fuse()`` ran
+        self.qkv_sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                          self.num_kv_heads * self.head_dim)
+
+    def fuse(self) -> None:
+        """q, k and v projections merged into ``qkv_proj`` (the HF-named modules are dropped)."""
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         shape = x.shape[:-1]
-        q = self.q_proj(x).view(*shape, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(*shape, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(*shape, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(*shape, self.num_heads, self.head_dim)
+        k = k.reshape(*shape, self.num_kv_heads, self.head_dim)
+        v = v.reshape(*shape, self.num_kv_heads, self.head_dim)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -259,7 +258,16 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
+        self.gate_up_proj: Linear | None = None  # gate|up in one matmul, once ``fuse()`` ran
+
+    def fuse(self) -> None:
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -301,6 +309,12 @@ class LlamaForCausalLM(nn.Module):
             h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv, meta)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.norm(h)
+
+    def fuse_projections(self) -> None:
+        """Merge each layer's q/k/v and gate/up projections (one matmul each instead of 3 and 2)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
