@@ -17,6 +17,7 @@ from torch import nn
 
 from sits.engine.config import ModelConfig
 from sits.engine.errors import UnsupportedModelError
+from sits.engine.layers.attention import decode_attention
 from sits.engine.layers.linear import Linear, fuse_linears
 
 
@@ -246,8 +247,7 @@ class Attention(nn.Module):
             vd = v_cache[bt].view(bd, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
             qd = q[meta.decode_index].unsqueeze(2)                                          # [Bd, H, 1, D]
             mask = meta.decode_mask if self.window is None else meta.decode_window_mask
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, enable_gqa=self.gqa)
-            out[meta.decode_index] = o.squeeze(2)
+            out[meta.decode_index] = decode_attention(qd, kd, vd, mask).squeeze(2)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
 

@@ -1,0 +1,58 @@
+"""Decode-step time of two checkouts of SITS on the same model, in separate processes taking turns
+(order reversed every round), medians of 3 rounds: old vs new code in the same run.
+
+    git worktree add /tmp/old HEAD~1
+    .venv/bin/python bench/decode_code_ab.py MODEL_DIR DTYPE /tmp/old .
+
+Per checkout: ms per decode step at 1, 8 and 32 streams with 16-token prompts, and 32 streams with
+256-token prompts (attention over a longer context).
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+CHILD = r"""
+import json, statistics, sys, time
+from sits.engine.config import EngineConfig
+from sits.engine.llm_engine import LLMEngine
+from sits.engine.sampling_params import SamplingParams
+eng = LLMEngine(EngineConfig(model=sys.argv[1], device="cpu", dtype=sys.argv[2], warmup=False, kv_cache_memory_mb=256))
+vocab = eng.model_config.vocab_size
+def run(n, plen, steps=24):
+    for s in range(n):
+        eng.add_request([(s * 31 + i * 7) % (vocab - 10) + 5 for i in range(plen)],
+                        SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
+    eng.step()
+    t, k = time.perf_counter(), 0
+    while eng.has_unfinished:
+        eng.step()
+        k += 1
+    return (time.perf_counter() - t) / k * 1e3
+run(1, 16, 4)
+print(json.dumps({f"{n}x{p}": statistics.median(run(n, p) for _ in range(2))
+                  for n, p in ((1, 16), (8, 16), (32, 16), (32, 256))}))
+"""
+
+
+def main(model: str, dtype: str, old: str, new: str, rounds: int = 3) -> None:
+    codes = {"old": os.path.abspath(old), "new": os.path.abspath(new)}
+    runs: dict[str, list[dict]] = {c: [] for c in codes}
+    for r in range(rounds):
+        for c in (list(codes) if r % 2 == 0 else list(reversed(codes))):
+            env = dict(os.environ, PYTHONPATH=codes[c])
+            p = subprocess.run([sys.executable, "-c", CHILD, os.path.abspath(model), dtype], capture_output=True,
+                               text=True, env=env, cwd="/", check=True)
+            runs[c].append(json.loads(p.stdout.strip().splitlines()[-1]))
+            print(f"round {r + 1}/{rounds} {c}: {runs[c][-1]}", file=sys.stderr, flush=True)
+    print("| streams x prompt | old ms/step | new ms/step | speed-up |\n|---|---|---|---|")
+    for key in runs["old"][0]:
+        a = statistics.median(x[key] for x in runs["old"])
+        b = statistics.median(x[key] for x in runs["new"])
+        print(f"| {key} | {a:.1f} | {b:.1f} | {a / b:.2f}× |")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
