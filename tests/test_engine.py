@@ -195,23 +195,3 @@ def test_background_kv_touch_keeps_outputs_and_finishes_while_idle(make_engine):
 
 def test_gpu_util_is_reported_only_where_a_gpu_runs_the_engine(make_engine):
     assert make_engine().stats().gpu_util is None      # CPU: no data, so a gpu_util trigger stays false
-
-
-def test_the_oldest_prefill_gets_its_share_of_a_step(make_engine):
-    """pfsd with ``oldest_prefill_share``: the longest-waiting prompt goes first with its share of the
-    step's tokens, though RAAP alone would put the short prompts that arrived after it first."""
-    def first_step(share: float):
-        eng = make_engine(policy="pfsd", max_num_batched_tokens=64, oldest_prefill_share=share)
-        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        long = eng.add_request(list(range(5, 205)), params)
-        short = [eng.add_request(list(range(10 + i, 26 + i)), params) for i in range(4)]
-        for s in short:                     # they arrived later (the clock is too coarse to rely on)
-            s.arrival_time = long.arrival_time + 0.01
-        batch = eng.scheduler.schedule()
-        return dict(zip((s.request_id for s in batch.seqs), batch.num_new)), long, short
-
-    plain, long, short = first_step(0.0)
-    assert plain == {s.request_id: 16 for s in short}          # RAAP: the short ones fill the step
-    shared, long, short = first_step(0.25)
-    assert list(shared)[0] == long.request_id and shared[long.request_id] == 16   # first, capped at 64 x 0.25
-    assert sum(shared.values()) == 64 and len(shared) == 4

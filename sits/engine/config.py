@@ -211,8 +211,6 @@ class EngineConfig:
     guided_jump_forward: bool = True     # a grammar's forced tokens join the output without a step each
     min_decode_window: int = 1           # pfsd: decodes always get at least this many slots a step
     aging_per_s: float = 1.0             # pfsd: priority bonus per second waited (no starvation)
-    oldest_prefill_share: float = 0.0    # pfsd: share of a step's token budget the longest-waiting prefill
-                                         # gets first (the TTFT tail of a burst); 0: RAAP order alone
     warmup: bool = True                  # run multi-level warm-up at start
     kv_touch: str = "eager"              # "eager" (touch the KV pool at start) or "background" (while idle)
     warmup_shapes: str = "all"           # "all" serving shapes, or "minimal" (one prefill, one decode: cold starts)
@@ -225,8 +223,6 @@ class EngineConfig:
             raise ValueError(f"warmup_shapes must be 'all' or 'minimal', got {self.warmup_shapes!r}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be 'int8' or None, got {self.quantization!r}")
-        if not 0.0 <= self.oldest_prefill_share <= 1.0:
-            raise ValueError(f"oldest_prefill_share must be in [0, 1], got {self.oldest_prefill_share!r}")
         if self.policy not in ("pfsd", "fcfs"):
             raise ValueError(f"policy must be 'pfsd' or 'fcfs', got {self.policy!r}")
         if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

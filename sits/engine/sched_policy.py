@@ -26,7 +26,6 @@ class Admission:
     candidates: list["Sequence"]
     fits: Callable[["Sequence"], bool] = lambda seq: True
     admitted: Callable[["Sequence"], None] = lambda seq: None
-    cap: Callable[["Sequence"], int | None] = lambda seq: None   # at most this many of its tokens this step
 
 
 class FcfsPolicy:
@@ -73,16 +72,6 @@ class PfsdPolicy:
         partial = [s for s in sched.running if s.is_prefill and s.status is SequenceStatus.RUNNING]
         candidates = sorted(partial + sched.waiting, key=lambda s: sched.priority_key(s, now))
         reserve = sched.decode_reserve()
-        # the longest-waiting prefill goes first with its share of the budget, so a long prompt in
-        # a burst keeps moving instead of waiting for aging to lift it past every short one
-        share = sched.cfg.oldest_prefill_share
-        oldest = min(candidates, key=lambda s: s.arrival_time) if share > 0 and candidates else None
-        cap_tokens = max(sched.cfg.block_size, int(share * sched.cfg.max_num_batched_tokens))
-        if oldest is not None and oldest is not candidates[0]:
-            candidates.remove(oldest)
-            candidates.insert(0, oldest)
-        else:
-            oldest = None
 
         def predicted_blocks(seq: "Sequence") -> int:
             return sched.kv.blocks_needed(min(seq.num_tokens + sched.model.predicted_output(seq),
@@ -96,7 +85,7 @@ class PfsdPolicy:
             reserve += sched.kv.blocks_needed(seq.num_tokens + sched.model.predicted_output(seq)) \
                 - len(seq.block_table)
 
-        return Admission(candidates, fits, admitted, lambda seq: cap_tokens if seq is oldest else None)
+        return Admission(candidates, fits, admitted)
 
 
 POLICIES = {"fcfs": FcfsPolicy, "pfsd": PfsdPolicy}

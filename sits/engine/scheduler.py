@@ -185,10 +185,8 @@ class Scheduler:
                 break
             if seq in batch.preempted:
                 continue
-            cap = admission.cap(seq)
-            limit = budget if cap is None else min(budget, cap)
             if seq.status is SequenceStatus.RUNNING:          # a running prefill's next chunk
-                n = min(seq.num_remaining, limit)
+                n = min(seq.num_remaining, budget)
                 if self.kv.allocate(seq, n):
                     batch.add(seq, n)
                     budget -= n
@@ -197,7 +195,7 @@ class Scheduler:
                 if policy.head_of_line:
                     break
                 continue
-            n = self._admit(seq, limit, batch)
+            n = self._admit(seq, budget, batch)
             if n == 0:
                 if policy.head_of_line:
                     break
