@@ -156,6 +156,7 @@ def test_json_schema_answers_and_logprobs(client):
     ({"input": "hi", "include": ["file_search_call.results"]}, "include", "unsupported_parameter"),
     ({"input": "hi", "tool_choice": "required"}, "tool_choice", "invalid_parameter"),
     ({"input": "hi " * 300}, "input", "context_length_exceeded"),
+    ({"input": "bad \ud800 text"}, "input", "invalid_text"),
     ({"input": "hi", "max_output_tokens": 500}, "max_output_tokens", "context_length_exceeded"),
     ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format", "invalid_parameter"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id", "invalid_parameter"),
