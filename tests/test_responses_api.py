@@ -156,7 +156,6 @@ def test_json_schema_answers_and_logprobs(client):
     ({"input": "hi", "include": ["file_search_call.results"]}, "include", "unsupported_parameter"),
     ({"input": "hi", "tool_choice": "required"}, "tool_choice", "invalid_parameter"),
     ({"input": "hi " * 300}, "input", "context_length_exceeded"),
-    ({"input": "bad \ud800 text"}, "input", "invalid_text"),
     ({"input": "hi", "max_output_tokens": 500}, "max_output_tokens", "context_length_exceeded"),
     ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format", "invalid_parameter"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id", "invalid_parameter"),
@@ -166,6 +165,13 @@ def test_what_is_not_served_is_a_typed_400(server, body, param, code):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == code and err["param"] == param
+
+
+def test_a_lone_surrogate_in_input_is_invalid_text(server):
+    r = httpx.post(server.url + "/v1/responses", timeout=30, headers={"content-type": "application/json"},
+                   content=b'{"model": "tiny", "input": "bad \\ud800 text"}')
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_text"
+    assert r.json()["error"]["param"] == "input"
 
 
 def test_strict_types_and_unknown_models(server):
