@@ -21,12 +21,14 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sits import __version__
+from sits.api.auth import Authenticator
 from sits.api.backend import BackendRegistry
 from sits.api.context import ServerContext, ServerSettings
 from sits.api.edge import EdgeMiddleware
 from sits.api.errors import install_error_handlers
 from sits.api.hot_path import HotRoutes
 from sits.api.metrics import CONTENT_TYPE, ServerMetrics
+from sits.api import tenant_routes
 from sits.api.openai import embedding_routes
 from sits.api.openai import routes as openai_routes
 from sits.api.openai import responses as responses_routes
@@ -39,6 +41,8 @@ from sits.observe.tracing import Tracing
 from sits.engine.errors import SitsError
 from sits.memory.sessions import open_session_store
 from sits.memory.vectors import open_memory_store
+from sits.tenancy.metrics import TenantCollector
+from sits.tenancy.service import Tenancy
 from sits.tools import ToolRegistry, ToolRunner
 
 log = logging.getLogger("sits.api")
@@ -65,10 +69,10 @@ class SitsApp(FastAPI):
 def create_app(registry: BackendRegistry, settings: ServerSettings | None = None, *,
                on_startup: list[Callable[[FastAPI], Awaitable[None]]] | None = None,
                on_shutdown: list[Callable[[FastAPI], Awaitable[None]]] | None = None,
-               memory=None) -> FastAPI:
+               memory=None, tenancy: Tenancy | None = None) -> FastAPI:
     """``on_startup`` hooks run as background tasks (e.g. loading a model while /ready says 503);
     ``on_shutdown`` hooks run after the drain (e.g. stopping engines); ``memory``: a MemoryStore
-    someone else owns (the gateway's), else one in ``settings.data_dir``."""
+    someone else owns (the gateway's), else one in ``settings.data_dir``; ``tenancy`` likewise."""
     settings = settings or ServerSettings()
     tracing = Tracing(settings.trace_exporter, rates=settings.trace_level_rates)
     metrics = ServerMetrics(lambda: [(b.name, b.stats()) for b in registry.all()],
@@ -78,6 +82,9 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
                         tools=ToolRegistry(list(settings.tool_dirs)), tool_runner=ToolRunner(),
                         memory=memory if memory is not None or settings.data_dir is None
                         else open_memory_store(settings.data_dir))
+    ctx.tenancy = tenancy if tenancy is not None or settings.data_dir is None else Tenancy.open(settings.data_dir)
+    if ctx.tenancy is not None:
+        metrics.registry.register(TenantCollector(ctx.tenancy))
     ctx.store = RequestStore(retention_s=settings.request_retention_s, max_finished=settings.max_retained_requests,
                              max_pending=settings.max_pending_requests)
 
@@ -106,6 +113,8 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
                 await ctx.sessions.close()
             if ctx.memory is not None and memory is None:
                 ctx.memory.close()
+            if ctx.tenancy is not None and tenancy is None:
+                ctx.tenancy.close()
 
     app = SitsApp(title="SITS", version=__version__, lifespan=lifespan,
                   description="A serverless runtime for LLM inference: the OpenAI dialect and the SITS "
@@ -119,6 +128,8 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
     app.include_router(tool_routes.router)
     app.include_router(memory_routes.router)
     app.include_router(embedding_routes.router)
+    app.include_router(tenant_routes.admin)
+    app.include_router(tenant_routes.usage_router)
 
     @app.get("/health", tags=["ops"])
     async def health() -> dict[str, Any]:
@@ -145,7 +156,7 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     hot = HotRoutes(functools.partial(FastAPI.__call__, app), enabled=lambda: settings.hot_path)
-    app.entry = EdgeMiddleware(hot, api_keys=lambda: settings.api_keys,
+    app.entry = EdgeMiddleware(hot, auth=Authenticator(lambda: settings.api_keys, ctx.tenancy),
                                max_body_bytes=lambda: settings.max_body_bytes, draining=lambda: ctx.draining,
                                body_timeout_s=lambda: settings.body_timeout_s, tracing=lambda: ctx.tracing)
     app.openapi = lambda: _openapi(app)

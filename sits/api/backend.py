@@ -20,8 +20,10 @@ from sits.engine.errors import InvalidRequestError, SitsError
 from sits.engine.messages import EngineRequest, EngineStats, TokenEvent
 from sits.engine.sampling_params import SamplingParams
 from sits.engine.tokenizer import Tokenizer
-from sits.runtime.features import NO_FEATURES, BackendFeatures
+from sits.runtime.features import BackendFeatures
 from sits.runtime.hints import RequestHints
+from sits.tenancy.cost import ModelShape
+from sits.tenancy.principal import current_principal
 
 
 class Backend(Protocol):
@@ -62,6 +64,11 @@ class Backend(Protocol):
         """Unit vectors of the model's mean-pooled hidden states, one row per token-id list."""
 
 
+class ModelNotAllowedError(SitsError):
+    code = "model_not_allowed"
+    http_status = 403
+
+
 class EngineBackend:
     """An in-process AsyncEngine under a served name."""
 
@@ -74,7 +81,9 @@ class EngineBackend:
         pool = engine.engine.pool
         self.kv_capacity_tokens = pool.num_blocks * pool.block_size
         self.tokenizer = engine.tokenizer
-        self.features = NO_FEATURES
+        eng = engine.engine
+        self.features = BackendFeatures(shape=ModelShape.of(eng.model_config, eng.dtype.itemsize),
+                                        kv_block_size=eng.cfg.block_size)
         self.sampling_defaults = engine.engine.sampling_defaults
 
     @property
@@ -134,15 +143,24 @@ class BackendRegistry:
             backend = self._by_name[name]
         except KeyError:
             raise ModelNotFoundError(f"the model {clip(name)} does not exist; served: "
-                                     f"{', '.join(sorted(self._by_name)) or 'none'}", param="model") from None
+                                     f"{', '.join(sorted(self.visible())) or 'none'}", param="model") from None
+        if not current_principal.get().may_call(name):
+            raise ModelNotAllowedError(f"this API key may not call {clip(name)}; it may call: "
+                                       f"{', '.join(sorted(self.visible())) or 'nothing served now'}", param="model")
         return backend.admit()
+
+    def visible(self) -> list[str]:
+        """The names the current caller's key may call."""
+        principal = current_principal.get()
+        return [n for n in self._by_name if principal.may_call(n)]
 
     def default_name(self) -> str:
         """The name a request that names none gets: the only one served; 400 ``model_required`` otherwise."""
-        if len(self._by_name) != 1:
-            raise InvalidRequestError(f"name a model; served: {', '.join(sorted(self._by_name)) or 'none'}",
+        names = self.visible()
+        if len(names) != 1:
+            raise InvalidRequestError(f"name a model; served: {', '.join(sorted(names)) or 'none'}",
                                       param="model", code="model_required")
-        return next(iter(self._by_name))
+        return names[0]
 
     def all(self) -> list[Backend]:
         return list(self._by_name.values())

@@ -57,6 +57,7 @@ class ServerContext:
     tools: object | None = None             # sits.tools.ToolRegistry, set by create_app
     tool_runner: object | None = None       # sits.tools.ToolRunner (worker processes), set by create_app
     memory: object | None = None            # sits.memory.vectors.MemoryStore (with a data_dir), set by create_app
+    tenancy: object | None = None           # sits.tenancy.service.Tenancy (with a data_dir), set by create_app
     responses: object | None = None         # sits.api.openai.response_store.ResponseStore, made on first use
 
 

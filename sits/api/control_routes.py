@@ -8,20 +8,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from sits.api.auth import require_operator
 from sits.api.errors import clip, error_docs
 from sits.engine.errors import SitsError
 from sits.runtime.gateway import Gateway
 from sits.runtime.unit_spec import UnitSpec
 
-router = APIRouter(tags=["control"])
+router = APIRouter(tags=["control"], dependencies=[Depends(require_operator)])
 
 ERRORS = error_docs({
     400: "invalid unit spec",
     401: "missing or wrong API key",
+    403: "an admin key is needed (once the server has tenant keys)",
     404: "no such unit",
 })
 

@@ -11,7 +11,6 @@ server drains, and adds ``x-request-id`` / ``server-timing`` to every response.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import re
 import time
@@ -20,12 +19,15 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sits.api.auth import Authenticator
 from sits.api.errors import error_body, internal_error_response
+from sits.api.metering import RequestAccount, current_account
 from sits.memory.sessions import INVALID_SESSION_ID, valid_session_id
 from sits.observe import genai
 from sits.observe.tracing import Scope as TraceScope
 from sits.observe.tracing import close, current_scope, mark_failed, stage
 from sits.runtime.hints import RequestHints, current_hints
+from sits.tenancy.principal import OPERATOR, current_principal
 
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
@@ -42,22 +44,13 @@ def _json(status: int, message: str, code: str,
     return status, headers + (extra_headers or []), body
 
 
-def keys_match(presented: str, keys: tuple[str, ...]) -> bool:
-    """Constant time in the key's content: every configured key is compared, no early exit."""
-    ok = False
-    p = presented.encode()
-    for k in keys:
-        ok |= hmac.compare_digest(p, k.encode())
-    return ok
-
-
 class EdgeMiddleware:
-    def __init__(self, app: ASGIApp, *, api_keys: Callable[[], tuple[str, ...]], max_body_bytes: Callable[[], int],
+    def __init__(self, app: ASGIApp, *, auth: Authenticator, max_body_bytes: Callable[[], int],
                  draining: Callable[[], bool], body_timeout_s: Callable[[], float] = lambda: 30.0,
                  tracing: Callable[[], object | None] = lambda: None):
         self.app = app
         self.tracing = tracing
-        self.api_keys = api_keys
+        self.auth = auth
         self.max_body_bytes = max_body_bytes
         self.draining = draining
         self.body_timeout_s = body_timeout_s
@@ -130,13 +123,20 @@ class EdgeMiddleware:
             await send({"type": "http.response.start", "status": st, "headers": hs + rid_headers})
             await send({"type": "http.response.body", "body": body})
 
-        keys = self.api_keys()
-        if keys and path.startswith("/v1/"):
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not keys_match(token.strip(), keys):
-                return await reply(401, "invalid or missing API key: send Authorization: Bearer <key>",
-                                   "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+        account = None
+        if path.startswith("/v1/"):
+            principal = OPERATOR
+            if self.auth.required():
+                scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+                found = self.auth.resolve(token.strip()) if scheme.lower() == "bearer" else None
+                if found is None:
+                    return await reply(401, "invalid or missing API key: send Authorization: Bearer <key>",
+                                       "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+                principal = found
+                current_principal.set(principal)
+            if self.auth.tenancy is not None:       # usage is recorded; a tenant's limits apply
+                account = RequestAccount(self.auth.tenancy, principal)
+                current_account.set(account)
         if self.draining() and method in _BODY_METHODS and path.startswith("/v1/"):
             return await reply(503, "the server is shutting down and takes no new work", "server_shutting_down",
                                [(b"retry-after", b"1"), (b"connection", b"close")])
@@ -188,6 +188,9 @@ class EdgeMiddleware:
                 hs = list(message.get("headers", []))
                 names = {k.lower() for k, _ in hs}
                 hs.extend(rid_headers)
+                if account is not None and account.headers and b"x-ratelimit-limit-requests" not in names \
+                        and b"x-ratelimit-limit-tokens" not in names:
+                    hs.extend((k.encode(), v.encode()) for k, v in account.headers.items())
                 if b"server-timing" not in names:
                     hs.append((b"server-timing", f"edge;dur={(time.monotonic() - t0) * 1e3:.3f}".encode()))
                 message = {**message, "headers": hs}

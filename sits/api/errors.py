@@ -132,8 +132,10 @@ def sits_error_response(method: str, path: str, exc: SitsError) -> JSONResponse:
     """A typed error as its HTTP answer (with ``retry-after`` where the error names one)."""
     if exc.http_status >= 500 and exc.http_status != 503:   # 503s (loading, draining) are expected
         log.warning("%s %s -> %s %s: %s", method, path, exc.http_status, exc.code, exc.message)
-    retry = exc.retry_after_s
-    return error_response(exc, headers={"retry-after": str(retry)} if retry is not None else None)
+    headers = dict(exc.headers or {})
+    if exc.retry_after_s is not None:
+        headers["retry-after"] = str(exc.retry_after_s)
+    return error_response(exc, headers=headers or None)
 
 
 def internal_error_response(method: str, path: str) -> JSONResponse:

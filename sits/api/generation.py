@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from sits.api.backend import Backend
+from sits.api.metering import GenerationMeter, SequenceUse, current_account, use_of
 from sits.api.metrics import ServerMetrics
 from sits.engine.errors import SitsError
 from sits.engine.messages import EngineRequest, TokenEvent
@@ -107,6 +108,10 @@ class Generation:
         self.ttft_slo_ms: float | None = backend.features.ttft_slo_ms
         self.hints = current_hints.get()        # set by the edge for this HTTP request; handed to the backend
         self.num_prompts = len(jobs)
+        account = current_account.get()        # a server with tenants: reserve the worst case, or a 429
+        self.meter = GenerationMeter(account, backend, request_id, self.seqs, self.num_prompts) \
+            if account is not None else None
+        self.metered: dict | None = None        # what the meter settled (the usage extension ``sits``)
         self._started = False
         self._closed = False
 
@@ -127,8 +132,20 @@ class Generation:
 
     def usage(self) -> dict:
         p, c = self.prompt_tokens, self.completion_tokens
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        out = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+               "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if self.meter is not None:
+            metered = self.metered or self.meter.usage(self._uses(), self.num_prompts)
+            out["sits"] = {k: metered[k] for k in ("flops", "kv_block_seconds", "cost")}
+        return out
+
+    def _uses(self) -> list[SequenceUse]:
+        return [use_of(len(s.prompt_token_ids), c.first, c.last, len(c.token_ids)) for s, c in zip(self.seqs, self.choices)]
+
+    def _settle(self) -> None:
+        if self.meter is not None and self.metered is None:
+            outcome = "finished" if all(c.finish_reason is not None for c in self.choices) else "aborted"
+            self.metered = self.meter.settle(self._uses(), self.num_prompts, outcome)
 
     def timings_ms(self) -> dict[str, float | None]:
         """validate (accept -> queued), queue, prefill, decode, total: for server-timing and views."""
@@ -154,37 +171,40 @@ class Generation:
         if self._started:
             raise RuntimeError("Generation.events() can be consumed once")
         self._started = True
-        if len(self.seqs) == 1:
-            async for item in self._one(0):
-                yield item
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
-
-        async def pump(i: int) -> None:
-            try:
-                async for item in self._one(i):
-                    queue.put_nowait(item)
-            except BaseException as e:  # handed to the consumer, which re-raises it
-                queue.put_nowait(e)
-                return
-            queue.put_nowait(done)
-
-        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.seqs))]
-        remaining = len(tasks)
         try:
-            while remaining:
-                item = await queue.get()
-                if item is done:
-                    remaining -= 1
-                    continue
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+            if len(self.seqs) == 1:
+                async for item in self._one(0):
+                    yield item
+                return
+            queue: asyncio.Queue = asyncio.Queue()
+            done = object()
+
+            async def pump(i: int) -> None:
+                try:
+                    async for item in self._one(i):
+                        queue.put_nowait(item)
+                except BaseException as e:  # handed to the consumer, which re-raises it
+                    queue.put_nowait(e)
+                    return
+                queue.put_nowait(done)
+
+            tasks = [asyncio.create_task(pump(i)) for i in range(len(self.seqs))]
+            remaining = len(tasks)
+            try:
+                while remaining:
+                    item = await queue.get()
+                    if item is done:
+                        remaining -= 1
+                        continue
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            self._settle()
 
     async def _one(self, i: int) -> AsyncIterator[tuple[int, TokenEvent]]:
         seq = self.seqs[i]
@@ -199,6 +219,8 @@ class Generation:
                     self.metrics.observe_token(model, *unobserved)
                 unobserved = (ev, prev)     # observed once the consumer has sent this event on
                 if ev.token_id is not None:
+                    if prev is None and self.meter is not None:
+                        self.meter.first_token()
                     if prev is None and self.ttft_slo_ms is not None and \
                             (time.monotonic() - self.accepted_at) * 1e3 > self.ttft_slo_ms:
                         tracing.annotate({genai.SLO_VIOLATED: True, "sits.ttft_slo_ms": self.ttft_slo_ms})

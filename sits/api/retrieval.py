@@ -12,6 +12,7 @@ from sits.api.errors import clip
 from sits.engine.errors import InvalidRequestError
 from sits.engine.tokenizer import check_text
 from sits.memory.vectors import off_loop
+from sits.tenancy.principal import scoped
 from sits.runtime.features import DEFAULT_MEMORY_TOP_K
 
 
@@ -39,7 +40,7 @@ async def recall(ctx: ServerContext, set_name: str, question: str, rid: str, k: 
     if store is None:
         raise InvalidRequestError(f"no memory set {clip(set_name)} exists (this server keeps no memory)",
                                   param="memory_ref", code="memory_not_found")
-    hits = await off_loop(store.search, set_name, question, k, response_id=rid)
+    hits = await off_loop(store.search, set_name, question, k, response_id=scoped(rid))
     if not hits:
         if not required:
             return [], ""

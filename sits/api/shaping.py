@@ -17,6 +17,7 @@ from sits.api.backend import Backend
 from sits.api.context import ServerContext
 from sits.api.retrieval import last_user_text, recall, with_context
 from sits.api.session import SessionTurn
+from sits.tenancy.principal import scoped
 from sits.engine.errors import ContextLengthExceededError, InvalidRequestError
 from sits.engine.sampling_params import SamplingParams
 from sits.engine.tool_format import ToolSpec
@@ -62,7 +63,9 @@ async def shape_text(ctx: ServerContext, backend: Backend, prompt: str, *, memor
 
 async def _recall(ctx: ServerContext, backend: Backend, memory_ref: str | None, question: str,
                   response_id: str) -> tuple[list[dict], str]:
-    set_name = memory_ref or backend.features.memory_set      # a RAG unit retrieves by itself
+    shared = backend.features.memory_set                     # a RAG unit retrieves by itself
+    # a set the client names is its tenant's own, unless it names the unit's shared set
+    set_name = shared if memory_ref is None or memory_ref == shared else scoped(memory_ref)
     if set_name is None:
         return [], ""
     return await recall(ctx, set_name, question, response_id, backend.features.memory_top_k,

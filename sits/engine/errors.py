@@ -13,6 +13,7 @@ class SitsError(Exception):
     code = "internal_error"
     http_status = 500
     retry_after_s: int | None = None      # when set, the caller may retry after this many seconds
+    headers: dict[str, str] | None = None  # more response headers (e.g. x-ratelimit-* on a 429)
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)

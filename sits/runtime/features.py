@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sits.tenancy.cost import ModelShape
+from sits.tenancy.spec import PricingSpec
+
 DEFAULT_MEMORY_TOP_K = 4
 
 
@@ -20,6 +23,20 @@ class BackendFeatures:
     python_tools: bool = False                # runtime: python tools allowed
     memory_set: str | None = None             # a RAG unit retrieves from this set for every request
     memory_top_k: int = DEFAULT_MEMORY_TOP_K
+    pricing: PricingSpec | None = None        # the unit's price table (cost per token, FLOP, GB-hour)
+    shape: ModelShape | None = None           # what a token costs to compute (FLOPs) and to hold (KV bytes)
+    kv_block_size: int = 16
 
 
 NO_FEATURES = BackendFeatures()
+
+
+def model_shape(model: str, dtype: str, device: str, mc=None) -> ModelShape:
+    """The cost shape of ``model`` served in ``dtype`` on ``device`` (KV bytes per element: 16-bit on
+    CUDA, asked without creating a CUDA context; on a CPU what ``auto`` resolves to)."""
+    from sits.engine.config import ModelConfig, resolve_device, resolve_dtype
+
+    mc = mc if mc is not None else ModelConfig.from_dir(model)
+    dev = resolve_device(device)
+    elem = 2 if dev.type == "cuda" else resolve_dtype(dtype, dev, mc.torch_dtype).itemsize
+    return ModelShape.of(mc, kv_bytes_per_elem=elem)

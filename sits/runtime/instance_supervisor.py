@@ -20,7 +20,6 @@ import numpy as np
 from sits.engine.errors import SitsError
 from sits.engine.messages import EngineRequest, EngineStats, TokenEvent
 from sits.engine.sampling_params import SamplingParams
-from sits.runtime.features import NO_FEATURES
 from sits.runtime.instance_client import InstanceBackend
 
 log = logging.getLogger("sits.runtime")
@@ -42,7 +41,7 @@ class SupervisedInstance:
         self.root = first.root
         self.created = first.created
         self.tokenizer = first.tokenizer
-        self.features = NO_FEATURES
+        self.features = first.features
         self.sampling_defaults = first.sampling_defaults
         self.backoff_s = backoff_s
         self.backoff_max_s = backoff_max_s

@@ -29,7 +29,7 @@ from sits.runtime.sla import BreakerState, SlaBreaker, SlaBreakerOpenError
 from sits.runtime.unit_metrics import CpuMeter, MetricsWindow
 from sits.runtime.unit_pool import UnitPool
 from sits.runtime.unit_spec import UnitSpec
-from sits.runtime.features import DEFAULT_MEMORY_TOP_K, BackendFeatures
+from sits.runtime.features import DEFAULT_MEMORY_TOP_K, BackendFeatures, model_shape
 from sits.runtime.hints import RequestHints
 from sits.runtime.host_fit import check_fits_host
 from sits.runtime.dispatcher import UnitDispatcher
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from sits.runtime.gateway import UnitHost
 
 log = logging.getLogger("sits.runtime")
+
 
 
 class UnitBackend:
@@ -66,7 +67,9 @@ class UnitBackend:
         self.features = BackendFeatures(
             ttft_slo_ms=spec.slo.ttft_ms, tools=tuple(spec.tools), tool_dirs=dict(spec.tool_dirs),
             python_tools=spec.python_tools, memory_set=spec.memory.set if spec.memory else None,
-            memory_top_k=spec.memory.top_k if spec.memory else DEFAULT_MEMORY_TOP_K)
+            memory_top_k=spec.memory.top_k if spec.memory else DEFAULT_MEMORY_TOP_K, pricing=spec.pricing,
+            shape=model_shape(spec.model, spec.resources.dtype, spec.resources.device, mc),
+            kv_block_size=spec.engine_config().block_size)
         self.sampling_defaults = generation_defaults(spec.model) | spec.sampling.overrides()
         self.host = host
         self.pool = UnitPool(spec, on_event=lambda kind, data: host.record(spec.name, kind, data),

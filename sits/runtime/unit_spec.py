@@ -33,6 +33,7 @@ from sits.engine.sampling_params import MIN_REPETITION_PENALTY
 from sits.faults.spec import FaultsSpec
 from sits.runtime.sla import SlaSpec
 from sits.runtime.trigger import TriggerError, parse_trigger
+from sits.tenancy.spec import PricingSpec
 
 UNIT_NAME = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 
@@ -161,6 +162,8 @@ class UnitSpec(_Strict):
                                           description="host directory behind each guest directory a tool declares")
     python_tools: bool = Field(False, description="allow tools with runtime: python (a subprocess, not a sandbox)")
     memory: MemorySpec | None = Field(None, description="retrieval for every request (a RAG unit)")
+    pricing: PricingSpec = Field(default_factory=PricingSpec,
+                                 description="cost units per token, PFLOP and GB-hour (tenants' usage and budgets)")
     sampling: SamplingDefaultsSpec = Field(default_factory=SamplingDefaultsSpec,
                                            description="defaults for what a request leaves unset")
 

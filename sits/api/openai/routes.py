@@ -96,7 +96,8 @@ def wants_stream_meta(request: Request) -> bool:
 @router.get("/v1/models", response_model=ModelList, tags=["openai"], responses=ERRORS)
 async def list_models(request: Request) -> ModelList:
     reg = context_of(request).registry
-    return ModelList(data=[_card(b) for b in reg.all()])
+    visible = set(reg.visible())
+    return ModelList(data=[_card(b) for b in reg.all() if b.name in visible])
 
 
 def _card(b: Backend) -> ModelCard:
@@ -106,11 +107,12 @@ def _card(b: Backend) -> ModelCard:
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, tags=["openai"], responses=ERRORS)
 async def retrieve_model(model_id: str, request: Request) -> ModelCard:
     reg = context_of(request).registry
+    visible = reg.visible()
     for b in reg.all():
-        if b.name == model_id:
+        if b.name == model_id and b.name in visible:
             return _card(b)
     raise ModelNotFoundError(f"the model {clip(model_id)} does not exist; served: "
-                             f"{', '.join(sorted(b.name for b in reg.all())) or 'none'}", param="model")
+                             f"{', '.join(sorted(visible)) or 'none'}", param="model")
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, tags=["openai"],

@@ -18,6 +18,7 @@ from typing import Any
 from sits.api.errors import RequestNotFoundError
 from sits.api.sits.lifecycle import LifecycleEvent, RequestLifecycle, RequestState, Subscriber
 from sits.engine.errors import SitsError
+from sits.tenancy.principal import current_principal
 
 
 class TooManyRequestsError(SitsError):
@@ -50,6 +51,7 @@ class TrackedRequest:
     citations: list[dict] = field(default_factory=list)      # memories retrieved for it (memory_ref)
     memories_written: list[str] = field(default_factory=list)
     tool_steps: list[dict] = field(default_factory=list)     # the tool loop's steps that called tools
+    owner: str | None = None                         # the tenant that submitted it (None: no tenants)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def start(self, subscribers: list[Subscriber]) -> None:
@@ -136,7 +138,7 @@ class RequestStore:
         if len(self._live) >= self.max_pending:
             raise TooManyRequestsError(f"{len(self._live)} requests are unfinished (limit {self.max_pending}); "
                                        "retry later")
-        tr = TrackedRequest(request_id, unit)
+        tr = TrackedRequest(request_id, unit, owner=current_principal.get().tenant)
         self._live[request_id] = tr
         tr.start([*subscribers, lambda ev: self._on_transition(tr, ev)])
         return tr
@@ -149,7 +151,7 @@ class RequestStore:
     def get(self, request_id: str) -> TrackedRequest:
         self.sweep()
         tr = self._live.get(request_id) or self._finished.get(request_id)
-        if tr is None:
+        if tr is None or tr.owner != current_principal.get().tenant:    # another tenant's id: not found
             raise RequestNotFoundError(f"no request {request_id!r} (unknown, or finished more than "
                                        f"{self.retention_s:g} s ago and dropped)", param="id")
         return tr

@@ -20,6 +20,7 @@ from sits.api.backend import Backend
 from sits.api.context import ServerContext, accepted_at, context_of, new_request_id
 from sits.api.errors import ConflictError, ModelNotFoundError, RequestNotFoundError, clip, error_docs
 from sits.api.generation import Generation
+from sits.api.metering import current_account
 from sits.api.protocol import SitsRequest, SitsRequestView
 from sits.api.retrieval import last_user_text
 from sits.api.session import SessionTurn
@@ -32,6 +33,7 @@ from sits.api.sse import SSE_KEEPALIVE, SSEResponse, sse_event
 from sits.engine.errors import InvalidRequestError, SitsError
 from sits.engine.sampling_params import SamplingParams
 from sits.memory.vectors import off_loop
+from sits.tenancy.principal import current_principal, scoped
 from sits.tools import ToolError
 from sits.observe import genai, tracing
 
@@ -76,6 +78,12 @@ async def submit(body: SitsRequest, request: Request) -> JSONResponse:
                           "sits.request_id": rid})
     if body.callback_url is not None:
         validate_callback_url(body.callback_url, allow_private=ctx.settings.allow_private_callbacks)
+    if body.remember and current_principal.get().tenant is not None and body.memory_ref is None:
+        raise InvalidRequestError("remember with a tenant's key needs a memory_ref (a set of the tenant's own): "
+                                  "a unit's shared set is not written by tenants", param="memory_ref",
+                                  code="memory_ref_required")
+    if (account := current_account.get()) is not None:     # a budget or limit already spent: 429 before the 202
+        account.tenancy.check(account.principal, body.constraints.max_tokens)
     # opened only once nothing can refuse the request any more (an unended span would hold its trace)
     execution = tracing.open_child("request.execute", t0, level="L3", async_mechanism="queue",
                                    attributes={"sits.request_id": rid, genai.REQUEST_MODEL: body.unit})
@@ -145,7 +153,7 @@ def _default_unit(ctx: ServerContext) -> str:
     try:
         return ctx.registry.default_name()
     except InvalidRequestError:
-        served = sorted(b.name for b in ctx.registry.all())
+        served = sorted(ctx.registry.visible())
         raise InvalidRequestError(f"name a unit: this server runs {len(served)} ({', '.join(served)}) and cannot "
                                   "pick one" if served else "name a unit: no unit is deployed", param="unit",
                                   code="unit_required") from None
@@ -263,9 +271,11 @@ async def _run_request(ctx: ServerContext, tr: TrackedRequest, body: SitsRequest
                 await turn.remember("".join(tr.output), unit=backend.name, instance=instance,
                                     memory_refs=[body.memory_ref] if body.memory_ref else None)
             if body.remember and (body.memory_ref or backend.features.memory_set) and ctx.memory is not None:
+                shared = backend.features.memory_set
+                target = shared if body.memory_ref is None or body.memory_ref == shared else scoped(body.memory_ref)
                 written = await off_loop(
-                    ctx.memory.add, body.memory_ref or backend.memory_set, [f"Q: {_question(body)}\nA: {''.join(tr.output)}"],
-                    [{"request": tr.id}], response_id=tr.id)
+                    ctx.memory.add, target, [f"Q: {_question(body)}\nA: {''.join(tr.output)}"],
+                    [{"request": tr.id}], response_id=scoped(tr.id))
                 tr.memories_written = [f"m_{i}" for i in written]
             lc.advance(RequestState.RESOLVED, {"output": "".join(tr.output), "finish_reason": tr.finish_reason,
                                                "usage": tr.usage, "timings": tr.timings,

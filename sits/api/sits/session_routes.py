@@ -12,6 +12,7 @@ from sits.api.context import context_of
 from sits.api.errors import clip, error_docs
 from sits.engine.errors import SitsError
 from sits.memory.sessions import SessionStore
+from sits.tenancy.principal import scoped
 
 router = APIRouter(tags=["sits"])
 
@@ -38,14 +39,14 @@ def _store(request: Request) -> SessionStore:
 @router.get("/v1/sessions/{session_id}", responses=ERRORS)
 async def get_session(session_id: str, request: Request) -> dict[str, Any]:
     """A session's conversation, unit, last instance and turn count."""
-    s = await _store(request).get(session_id)
+    s = await _store(request).get(scoped(session_id))
     if s is None:
         raise SessionNotFoundError(f"no session {clip(session_id)}", param="session_id")
-    return {"object": "session", **s.to_dict()}
+    return {"object": "session", **s.to_dict(), "id": session_id}
 
 
 @router.delete("/v1/sessions/{session_id}", responses=ERRORS)
 async def delete_session(session_id: str, request: Request) -> JSONResponse:
-    if not await _store(request).delete(session_id):
+    if not await _store(request).delete(scoped(session_id)):
         raise SessionNotFoundError(f"no session {clip(session_id)}", param="session_id")
     return JSONResponse({"id": session_id, "deleted": True})

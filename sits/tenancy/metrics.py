@@ -1,0 +1,52 @@
+"""Per-tenant Prometheus series, read from ``Tenancy`` at scrape time (nothing is counted twice).
+The unlabelled tenant ``""`` is the operator's and an open server's own traffic."""
+
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+
+class TenantCollector(Collector):
+    def __init__(self, tenancy):
+        self.tenancy = tenancy
+
+    def collect(self):
+        t = self.tenancy
+        labels = ["tenant", "unit", "outcome"]
+        requests = CounterMetricFamily("sits:tenant_requests", "requests settled, per tenant, unit and outcome", labels=labels)
+        tokens = CounterMetricFamily("sits:tenant_tokens", "tokens used (kind: prompt, cached, completion)",
+                                     labels=["tenant", "unit", "kind"])
+        flops = CounterMetricFamily("sits:tenant_flops", "floating-point operations computed", labels=["tenant", "unit"])
+        kv = CounterMetricFamily("sits:tenant_kv_block_seconds", "KV-cache blocks held x seconds", labels=["tenant", "unit"])
+        cost = CounterMetricFamily("sits:tenant_cost", "cost units charged (the units' price tables)", labels=["tenant", "unit"])
+        refused = CounterMetricFamily("sits:tenant_rejections", "requests refused by a limit or budget (429)",
+                                      labels=["tenant", "code"])
+        remaining = GaugeMetricFamily("sits:tenant_budget_remaining", "what a budget has left this period "
+                                      "(settled and reserved taken off)", labels=["tenant", "period", "measure"])
+        active = GaugeMetricFamily("sits:tenant_requests_in_flight", "admitted requests not yet finished", labels=["tenant"])
+        per_unit: dict[tuple[str, str], list[float]] = {}
+        for (tenant, unit, outcome), u in list(t.totals.items()):
+            requests.add_metric([tenant, unit, outcome], u.requests)
+            agg = per_unit.setdefault((tenant, unit), [0, 0, 0, 0.0, 0.0, 0.0])
+            for i, v in enumerate((u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.flops, u.kv_block_seconds,
+                                   u.cost)):
+                agg[i] += v
+        for (tenant, unit), (p, c, o, f, k, money) in per_unit.items():
+            for kind, n in (("prompt", p), ("cached", c), ("completion", o)):
+                tokens.add_metric([tenant, unit, kind], n)
+            flops.add_metric([tenant, unit], f)
+            kv.add_metric([tenant, unit], k)
+            cost.add_metric([tenant, unit], money)
+        for (tenant, code), n in list(t.rejections.items()):
+            refused.add_metric([tenant, code], n)
+        for (kind, ident), acct in list(t.accounts.items()):
+            if kind != "tenant":
+                continue
+            active.add_metric([ident], acct.active)
+            for b in acct.budgets:
+                v = b.view()
+                for measure in ("tokens", "cost"):
+                    if f"{measure}_remaining" in v:
+                        remaining.add_metric([ident, b.spec.period, measure], v[f"{measure}_remaining"])
+        yield from (requests, tokens, flops, kv, cost, refused, remaining, active)

@@ -1,0 +1,269 @@
+"""Tenants end to end over HTTP: keys (hashed, shown once, rotated, revoked), scopes, the control
+API closed to user keys, limits and budgets as typed 429s, usage per request and in /v1/usage."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import random
+import time
+
+import httpx
+import openai
+import pytest
+
+from sits.api.context import ServerSettings
+
+
+@pytest.fixture(scope="module")
+def server(serve_tiny, tmp_path_factory):
+    return serve_tiny(ServerSettings(drain_grace_s=0.5, data_dir=str(tmp_path_factory.mktemp("tenants"))),
+                      engine_mode="thread")
+
+
+def _admin(url: str) -> str:
+    """The first admin key: created while the server has no keys (the bootstrap), then required."""
+    if not hasattr(_admin, "key"):
+        r = httpx.post(f"{url}/v1/tenants", json={"name": "ops"})
+        assert r.status_code == 201, r.text
+        r = httpx.post(f"{url}/v1/tenants/ops/keys", json={"name": "root", "role": "admin"})
+        assert r.status_code == 201, r.text
+        _admin.key = r.json()["key"]
+    return _admin.key
+
+
+def _h(key: str) -> dict:
+    return {"authorization": f"Bearer {key}"}
+
+
+def _tenant(url: str, name: str, **spec) -> str:
+    """A tenant with one user key; returns the key."""
+    admin = _h(_admin(url))
+    r = httpx.post(f"{url}/v1/tenants", json={"name": name, **spec}, headers=admin)
+    assert r.status_code == 201, r.text
+    key_spec = spec.pop("key", {}) if "key" in spec else {}
+    r = httpx.post(f"{url}/v1/tenants/{name}/keys", json=key_spec, headers=admin)
+    assert r.status_code == 201, r.text
+    return r.json()["key"]
+
+
+def _error(r: httpx.Response, status: int, code: str) -> dict:
+    assert r.status_code == status, f"{r.status_code}: {r.text[:400]}"
+    err = r.json()["error"]
+    assert err["code"] == code, err
+    return err
+
+
+def _complete(url: str, key: str, max_tokens: int = 4, prompt: str = "hello there") -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", headers=_h(key), timeout=60,
+                      json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+
+
+def test_keys_are_required_once_one_exists_and_stored_hashed(server, tmp_path_factory):
+    url = server.url
+    admin = _admin(url)
+    _error(httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}), 401,
+           "invalid_api_key")
+    _error(_complete(url, admin[:-2] + "xx"), 401, "invalid_api_key")
+    assert _complete(url, admin).status_code == 200
+    # the key is shown once: listings carry a redacted form, and the database only its hash
+    keys = httpx.get(f"{url}/v1/keys", headers=_h(admin)).json()["data"]
+    assert all("key" not in k and k["redacted"].startswith("sits_") for k in keys)
+    ctx = server.app.state.sits
+    db = open(ctx.tenancy.store.path, "rb").read()
+    assert admin.split("_", 2)[2].encode() not in db
+
+
+def test_rotate_and_revoke_take_effect_at_once(server):
+    url = server.url
+    admin = _h(_admin(url))
+    key = _tenant(url, "rotating")
+    kid = key.split("_")[1]
+    assert _complete(url, key).status_code == 200
+    new = httpx.post(f"{url}/v1/keys/{kid}/rotate", headers=admin).json()["key"]
+    assert new != key and new.split("_")[1] == kid
+    _error(_complete(url, key), 401, "invalid_api_key")
+    assert _complete(url, new).status_code == 200
+    assert httpx.delete(f"{url}/v1/keys/{kid}", headers=admin).json()["revoked_at"] is not None
+    _error(_complete(url, new), 401, "invalid_api_key")
+    _error(httpx.post(f"{url}/v1/keys/{kid}/rotate", headers=admin), 404, "key_not_found")
+
+
+def test_user_keys_cannot_use_the_admin_apis(server):
+    url = server.url
+    key = _tenant(url, "plain")
+    for method, path, body in (("POST", "/v1/tenants", {"name": "evil"}), ("GET", "/v1/tenants", None),
+                               ("GET", "/v1/keys", None), ("POST", "/v1/tenants/plain/keys", {"role": "admin"}),
+                               ("GET", "/v1/status", None), ("GET", "/v1/units", None)):
+        r = httpx.request(method, f"{url}{path}", json=body, headers=_h(key))
+        assert r.status_code in (403, 404), (path, r.status_code, r.text)     # /v1/units: no gateway here
+        if r.status_code == 403:
+            assert r.json()["error"]["code"] == "admin_required"
+    _error(httpx.post(f"{url}/v1/tenants", json={"name": "x", "oops": 1}, headers=_h(_admin(url))), 400,
+           "invalid_parameter")
+    _error(httpx.post(f"{url}/v1/tenants", json={"name": "plain"}, headers=_h(_admin(url))), 409, "tenant_exists")
+
+
+def test_a_key_scoped_to_units_sees_and_calls_only_those(server):
+    url = server.url
+    admin = _h(_admin(url))
+    httpx.post(f"{url}/v1/tenants", json={"name": "scoped"}, headers=admin)
+    key = httpx.post(f"{url}/v1/tenants/scoped/keys", json={"units": ["other"]}, headers=admin).json()["key"]
+    _error(_complete(url, key), 403, "model_not_allowed")
+    assert httpx.get(f"{url}/v1/models", headers=_h(key)).json()["data"] == []
+    _error(httpx.get(f"{url}/v1/models/tiny", headers=_h(key)), 404, "model_not_found")
+
+
+def test_requests_per_minute_and_tokens_per_minute(server):
+    url = server.url
+    key = _tenant(url, "rpm", limits={"requests_per_min": 2})
+    r = _complete(url, key)
+    assert r.status_code == 200
+    assert r.headers["x-ratelimit-limit-requests"] == "2" and r.headers["x-ratelimit-remaining-requests"] == "1"
+    assert _complete(url, key).status_code == 200
+    err = _complete(url, key)
+    _error(err, 429, "rate_limit_exceeded")
+    assert int(err.headers["retry-after"]) >= 1 and err.headers["x-ratelimit-remaining-requests"] == "0"
+    key = _tenant(url, "tpm", limits={"tokens_per_min": 40})
+    _error(_complete(url, key, max_tokens=100), 429, "rate_limit_exceeded")     # can never fit: no retry-after
+    ok = _complete(url, key, max_tokens=8)
+    assert ok.status_code == 200
+    reserved = ok.json()["usage"]["prompt_tokens"] + 8          # prompt + max_tokens, taken at admission
+    assert 40 - reserved <= int(ok.headers["x-ratelimit-remaining-tokens"]) <= 40 - reserved + 1
+    _error(_complete(url, key, max_tokens=30), 429, "rate_limit_exceeded")      # fits the limit, not what is left
+
+
+def test_usage_extension_and_usage_endpoint(server):
+    url = server.url
+    key = _tenant(url, "metered")
+    r = _complete(url, key, max_tokens=5).json()
+    ext = r["usage"]["sits"]
+    assert ext["flops"] > 0 and ext["kv_block_seconds"] >= 0 and ext["cost"] == 0
+    mine = httpx.get(f"{url}/v1/usage", headers=_h(key)).json()["data"]
+    assert [row["tenant"] for row in mine] == ["metered"]
+    assert mine[0]["completion_tokens"] == r["usage"]["completion_tokens"] and mine[0]["requests"] == 1
+    # a user key cannot read another tenant's usage, even by asking for it
+    assert httpx.get(f"{url}/v1/usage?tenant=ops", headers=_h(key)).json()["data"][0]["tenant"] == "metered"
+    rows = list(csv.DictReader(io.StringIO(httpx.get(f"{url}/v1/usage?format=csv&group_by=tenant",
+                                                     headers=_h(_admin(url))).text)))
+    assert {"ops", "metered"} <= {row["tenant"] for row in rows}
+
+
+def test_a_budget_is_never_overspent_under_concurrency_and_disconnects(server):
+    """Many concurrent requests with random lengths, some streams dropped: the settled spend stays
+    within the budget and every reservation is released."""
+    url = server.url
+    budget = 300
+    key = _tenant(url, "racer", budgets=[{"period": "day", "tokens": budget}])
+    rng = random.Random(7)
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> str:
+        n = rng.randint(1, 24)
+        try:
+            if i % 3 == 0:
+                stream = await client.completions.create(model="tiny", prompt="count " * rng.randint(1, 8),
+                                                         max_tokens=n, temperature=0, stream=True)
+                async for _ in stream:
+                    if rng.random() < 0.5:
+                        await stream.close()     # a client that goes away mid-stream
+                        return "dropped"
+                return "ok"
+            await client.completions.create(model="tiny", prompt="word " * rng.randint(1, 8), max_tokens=n,
+                                            temperature=0)
+            return "ok"
+        except openai.RateLimitError as e:
+            assert e.code == "budget_exceeded", e
+            return "429"
+
+    async def run() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(40)))
+
+    outcomes = asyncio.run(run())
+    assert "429" in outcomes and "ok" in outcomes
+    tenancy = server.app.state.sits.tenancy
+    # every reservation released (streams the client dropped included) once the server has seen them end
+    acct = tenancy.accounts[("tenant", "racer")]
+    deadline = time.monotonic() + 30
+    while acct.active and time.monotonic() < deadline:
+        time.sleep(0.05)
+    state = acct.budgets[0]
+    assert acct.active == 0 and acct.queued == 0 and state.reserved_tokens == 0
+    spent = sum(r.tokens for r in tenancy.store.usage(tenant="racer"))
+    assert spent == state.settled_tokens <= budget
+    view = httpx.get(f"{url}/v1/tenants/racer", headers=_h(_admin(url))).json()["budgets"][0]
+    assert view["tokens_spent"] == spent and view["tokens_remaining"] == budget - spent
+    err = _error(_complete(url, key, max_tokens=min(budget - spent + 1, 240)), 429, "budget_exceeded")
+    assert "day budget" in err["message"]
+
+
+def _finished(url: str, rid: str, key: str) -> dict:
+    deadline = time.monotonic() + 60
+    while True:
+        v = httpx.get(f"{url}/v1/requests/{rid}", headers=_h(key), timeout=10).json()
+        if v.get("state") in ("RESOLVED", "REJECTED"):
+            return v
+        assert time.monotonic() < deadline, v
+        time.sleep(0.05)
+
+
+def test_isolation_matrix_every_route_that_takes_an_id(server):
+    """Tenant A's requests, responses, sessions and memory sets, addressed by id with tenant B's key,
+    are not found (404), and B's listings do not show them; A reads each of them."""
+    url = server.url
+    a, b = _tenant(url, "alpha"), _tenant(url, "beta")
+    # A's objects
+    req = httpx.post(f"{url}/v1/requests", headers=_h(a), json={"prompt": "hi", "constraints": {"max_tokens": 2}})
+    assert req.status_code == 202, req.text
+    rid = req.json()["id"]
+    assert _finished(url, rid, a)["state"] == "RESOLVED"
+    resp = httpx.post(f"{url}/v1/responses", headers=_h(a), timeout=60,
+                      json={"model": "tiny", "input": "hi", "max_output_tokens": 2}).json()["id"]
+    chat = httpx.post(f"{url}/v1/chat/completions", headers={**_h(a), "x-session-id": "shared-name"}, timeout=60,
+                      json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert chat.status_code == 200
+    mem = httpx.post(f"{url}/v1/memory/notes", headers=_h(a), json={"texts": ["the vault code is 1234"]})
+    assert mem.status_code == 201
+    mid = mem.json()["ids"][0]
+    assert httpx.post(f"{url}/v1/memory/notes/snapshots", headers=_h(a), json={"name": "s1"}).status_code == 201
+    rag = httpx.post(f"{url}/v1/requests", headers=_h(a), json={"prompt": "code?", "memory_ref": "notes",
+                                                                "constraints": {"max_tokens": 2}}).json()["id"]
+    assert _finished(url, rag, a)["state"] == "RESOLVED"
+
+    reads = [("GET", f"/v1/requests/{rid}", "request_not_found"), ("GET", f"/v1/requests/{rid}/events", "request_not_found"),
+             ("DELETE", f"/v1/requests/{rid}", "request_not_found"),
+             ("GET", f"/v1/responses/{resp}", "response_not_found"), ("DELETE", f"/v1/responses/{resp}", "response_not_found"),
+             ("GET", "/v1/sessions/shared-name", "session_not_found"),
+             ("DELETE", "/v1/sessions/shared-name", "session_not_found"),
+             ("GET", f"/v1/memory/{mid}/chain", "memory_not_found"), ("GET", f"/v1/memory/{rag}/chain", "memory_not_found"),
+             ("POST", "/v1/memory/notes/snapshots/s1/restore", "snapshot_not_found")]
+    for method, path, code in reads:
+        r = httpx.request(method, f"{url}{path}", headers=_h(b), timeout=10)
+        assert r.status_code == 404, (method, path, r.status_code, r.text)
+        assert r.json()["error"]["code"] == code, (path, r.json())
+    # listings and searches by name see B's own (empty) namespace
+    assert httpx.get(f"{url}/v1/memory", headers=_h(b)).json()["data"] == []
+    assert httpx.get(f"{url}/v1/memory/notes/memories", headers=_h(b)).json()["data"] == []
+    assert httpx.get(f"{url}/v1/memory/notes/search", params={"q": "vault"}, headers=_h(b)).json()["data"] == []
+    assert httpx.get(f"{url}/v1/memory/notes/snapshots", headers=_h(b)).json()["data"] == []
+    r = httpx.post(f"{url}/v1/responses", headers=_h(b), timeout=30,
+                   json={"model": "tiny", "input": "hi", "previous_response_id": resp, "max_output_tokens": 2})
+    assert r.status_code == 404 or r.json()["error"]["code"].endswith("not_found"), r.text
+    r = httpx.post(f"{url}/v1/requests", headers=_h(b), json={"prompt": "code?", "memory_ref": "notes",
+                                                              "constraints": {"max_tokens": 2}}).json()["id"]
+    assert _finished(url, r, b)["error"]["code"] == "memory_not_found"
+    # the same session id under B is B's own new session
+    r = httpx.post(f"{url}/v1/chat/completions", headers={**_h(b), "x-session-id": "shared-name"}, timeout=60,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "other"}], "max_tokens": 2})
+    assert r.status_code == 200
+    sb = httpx.get(f"{url}/v1/sessions/shared-name", headers=_h(b)).json()
+    assert sb["id"] == "shared-name" and sb["messages"][0]["content"] == "other" and sb["turns"] == 1
+    # and A still reads all of its own
+    for path in (f"/v1/requests/{rid}", f"/v1/responses/{resp}", "/v1/sessions/shared-name", f"/v1/memory/{mid}/chain",
+                 f"/v1/memory/{rag}/chain"):
+        assert httpx.get(f"{url}{path}", headers=_h(a), timeout=10).status_code == 200, path
+    assert httpx.get(f"{url}/v1/sessions/shared-name", headers=_h(a)).json()["messages"][0]["content"] == "hi"
+    assert [s["set"] for s in httpx.get(f"{url}/v1/memory", headers=_h(a)).json()["data"]] == ["notes"]
+    chain = httpx.get(f"{url}/v1/memory/{mid}/chain", headers=_h(a)).json()
+    assert chain["set"] == "notes" and [x["response"] for x in chain["retrieved_by"]] == [rag]
