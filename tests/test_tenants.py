@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import json
 import io
 import random
 import time
@@ -267,3 +268,82 @@ def test_isolation_matrix_every_route_that_takes_an_id(server):
     assert [s["set"] for s in httpx.get(f"{url}/v1/memory", headers=_h(a)).json()["data"]] == ["notes"]
     chain = httpx.get(f"{url}/v1/memory/{mid}/chain", headers=_h(a)).json()
     assert chain["set"] == "notes" and [x["response"] for x in chain["retrieved_by"]] == [rag]
+
+
+def test_flops_and_kv_block_seconds_match_a_hand_calculation(server, tiny_model_dir):
+    """usage.sits.flops of a request on the tiny model, against the model's shape worked by hand:
+    every computed position costs 2 x the layers' matmul parameters plus attention over its keys,
+    and every position that yields a token the LM head."""
+    cfg = json.loads(open(f"{tiny_model_dir}/config.json").read())
+    h, inter, L, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    hd = cfg.get("head_dim", h // heads)
+    vocab = cfg["vocab_size"]
+    key = _tenant(server.url, "handcalc")
+    prompt = list(range(10, 30))                      # 20 tokens, a token-id prompt: no template, no BOS
+    r = httpx.post(f"{server.url}/v1/completions", headers=_h(key), timeout=60,
+                   json={"model": "tiny", "prompt": prompt, "max_tokens": 7, "temperature": 0, "ignore_eos": True})
+    usage = r.json()["usage"]
+    p, c, cached = usage["prompt_tokens"], usage["completion_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+    assert (p, c) == (20, 7)
+    layer_params = L * (h * heads * hd + 2 * h * kv_heads * hd + heads * hd * h + 3 * h * inter)
+    flops = 0
+    for pos in range(cached, p + c - 1):              # the last generated token is never fed back
+        flops += 2 * layer_params + 4 * L * heads * hd * (pos + 1)
+    flops += 2 * h * vocab * c                        # the prompt's last position and each decode step
+    assert usage["sits"]["flops"] == flops
+    row = server.app.state.sits.tenancy.store.usage(tenant="handcalc")[0]
+    assert row.flops == flops and row.prompt_tokens == 20 and row.completion_tokens == 7
+
+
+def test_kv_block_seconds_and_prices():
+    from sits.tenancy.cost import kv_block_seconds
+    from sits.tenancy.spec import PricingSpec
+    # 40 prompt tokens in blocks of 16: 3 blocks for 0.5 s of prefill, then growing to ceil(60/16)=4 over 2 s
+    assert kv_block_seconds(40, 20, 16, 10.0, 10.5, 12.5) == pytest.approx(3 * 0.5 + (3 + 4) / 2 * 2.0)
+    assert kv_block_seconds(40, 0, 16, None, None, None) == 0.0
+    price = PricingSpec(input_per_mtok=1.0, cached_input_per_mtok=0.25, output_per_mtok=4.0, per_pflop=2.0)
+    assert price.cost(1000, 400, 500, flops=1e15) == pytest.approx((600 * 1 + 400 * 0.25 + 500 * 4) / 1e6 + 2.0)
+    assert PricingSpec(input_per_mtok=1.0).cost(1000, 400, 0) == pytest.approx(1000 / 1e6)
+
+
+def test_an_async_request_over_budget_is_429_before_its_202(server):
+    url = server.url
+    key = _tenant(url, "asyncbudget", budgets=[{"period": "total", "tokens": 50}])
+    r = httpx.post(f"{url}/v1/requests", headers=_h(key), json={"prompt": "hi", "constraints": {"max_tokens": 60}})
+    _error(r, 429, "budget_exceeded")
+    r = httpx.post(f"{url}/v1/requests", headers=_h(key), json={"prompt": "hi", "constraints": {"max_tokens": 4}})
+    assert r.status_code == 202
+    assert _finished(url, r.json()["id"], key)["state"] == "RESOLVED"
+    # a tenant's remember needs a set of its own
+    _error(httpx.post(f"{url}/v1/requests", headers=_h(key), json={"prompt": "hi", "remember": True}), 400,
+           "memory_ref_required")
+
+
+def test_tenant_metrics_and_the_cli(server, capsys):
+    from sits.cli import main
+    url = server.url
+    admin = _admin(url)
+    key = _tenant(url, "clitenant", budgets=[{"period": "day", "tokens": 10_000}])
+    assert _complete(url, key).status_code == 200
+    text = httpx.get(f"{url}/metrics").text
+    assert 'sits:tenant_requests_total{outcome="finished",tenant="clitenant",unit="tiny"} 1.0' in text
+    assert 'sits:tenant_budget_remaining{measure="tokens",period="day",tenant="clitenant"}' in text
+    assert 'sits:tenant_flops_total{tenant="clitenant",unit="tiny"}' in text
+    base = ["--url", url, "--api-key", admin]
+    assert main(["tenant", "create", "fromcli", "--rpm", "5", "--budget", "month:tokens=1000,cost=2.5", *base]) == 0
+    out = capsys.readouterr().out
+    assert "created tenant fromcli" in out and "budget (month): tokens 0/1000" in out
+    assert main(["key", "create", "fromcli", "--units", "tiny", "--name", "ci", *base]) == 0
+    new_key = capsys.readouterr().out.strip().splitlines()[-1]
+    assert new_key.startswith("sits_") and _complete(url, new_key).status_code == 200
+    assert main(["key", "list", "--tenant", "fromcli", *base]) == 0
+    listed = capsys.readouterr().out
+    assert "tiny" in listed and new_key not in listed and new_key[-4:] in listed
+    assert main(["usage", "--tenant", "fromcli", *base]) == 0
+    assert "fromcli" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["tenant", "create", "x", "--budget", "week:tokens=5", *base])
+    assert "PERIOD day, month or total" in capsys.readouterr().err
+    assert main(["tenant", "create", "fromcli", *base]) == 2          # exists: one line, typed
+    assert "[tenant_exists]" in capsys.readouterr().err

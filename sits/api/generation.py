@@ -109,6 +109,10 @@ class Generation:
         self.hints = current_hints.get()        # set by the edge for this HTTP request; handed to the backend
         self.num_prompts = len(jobs)
         account = current_account.get()        # a server with tenants: reserve the worst case, or a 429
+        if account is not None and account.principal.tenant is not None:    # the scheduler's fair share
+            tenant = account.principal.tenant
+            weight = account.tenancy.weight(tenant)
+            self.seqs = [replace(s, tenant=tenant, tenant_weight=weight) for s in self.seqs]
         self.meter = GenerationMeter(account, backend, request_id, self.seqs, self.num_prompts) \
             if account is not None else None
         self.metered: dict | None = None        # what the meter settled (the usage extension ``sits``)

@@ -211,6 +211,7 @@ class EngineConfig:
     guided_jump_forward: bool = True     # a grammar's forced tokens join the output without a step each
     min_decode_window: int = 1           # pfsd: decodes always get at least this many slots a step
     aging_per_s: float = 1.0             # pfsd: priority bonus per second waited (no starvation)
+    fair_share: bool = True              # pfsd: a tenant served a step's budget beyond another waits behind it
     warmup: bool = True                  # run multi-level warm-up at start
     kv_touch: str = "eager"              # "eager" (touch the KV pool at start) or "background" (while idle)
     warmup_shapes: str = "all"           # "all" serving shapes, or "minimal" (one prefill, one decode: cold starts)

@@ -157,7 +157,7 @@ class LLMEngine:
         same limits: see ``request_validator``); it is not checked again here."""
         ids = req.prompt_token_ids
         seq = Sequence(req.request_id, ids, req.params, priority=req.priority, interactive=req.interactive,
-                       arrival_time=req.arrival_time)
+                       arrival_time=req.arrival_time, tenant=req.tenant, tenant_weight=req.tenant_weight)
         if req.params.seed is not None:
             seq.generator = torch.Generator().manual_seed(req.params.seed)
         self.enqueue(seq)

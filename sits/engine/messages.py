@@ -50,6 +50,8 @@ class EngineRequest:
     priority: int = 0                 # explicit; higher is served sooner
     interactive: bool = True          # a user is watching the stream (vs a batch job)
     arrival_time: float = field(default_factory=time.monotonic)
+    tenant: str | None = None         # the fair-share group it is charged to (None: not ranked by it)
+    tenant_weight: float = 1.0        # that group's share relative to the others
 
     def resumed(self, sent: list[int]) -> "EngineRequest":
         """The same request continued after ``sent`` output tokens (failover to another instance): the

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from sits.engine.block_pool import BlockPool
 from sits.engine.config import EngineConfig
+from sits.engine.fair_share import FairShare
 from sits.engine.kv_cache_manager import KVCacheManager
 from sits.engine.sched_policy import policy_named
 from sits.engine.sequence import Sequence, SequenceStatus
@@ -98,11 +99,13 @@ class Scheduler:
         self.model = ThroughputModel()
         self.num_preemptions = 0
         self.policy = policy_named(cfg.policy)
+        self.fair = FairShare()
 
     # -- queue management -----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self.fair.arrived(seq.tenant or "")
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queues and free its blocks at once (finish or abort)."""
@@ -111,6 +114,8 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        if seq.status is not SequenceStatus.FINISHED:
+            self.fair.left(seq.tenant or "")
         seq.status = SequenceStatus.FINISHED
 
     @property
@@ -204,7 +209,17 @@ class Scheduler:
             admission.admitted(seq)
         return batch
 
-    def priority_key(self, seq: Sequence, now: float) -> float:
+    def priority_key(self, seq: Sequence, now: float) -> tuple[int, float]:
+        """(the tenant's fair-share rank, the RAAP score); lower runs sooner. The rank is its
+        tenant's lead over the least-served active tenant in steps' worth of tokens (0 without
+        tenants, or with ``fair_share`` off), so among tenants within a step of each other RAAP alone
+        decides."""
+        rank = 0
+        if self.cfg.fair_share:
+            rank = int(self.fair.lead(seq.tenant or "") // self.cfg.max_num_batched_tokens)
+        return rank, self.raap_score(seq, now)
+
+    def raap_score(self, seq: Sequence, now: float) -> float:
         """RAAP score in seconds of estimated service time; lower runs sooner."""
         m = self.model
         score = seq.num_remaining / m.prefill_tok_s
@@ -232,6 +247,8 @@ class Scheduler:
     def on_computed(self, batch: ScheduledBatch) -> None:
         """Advance computed counts; blocks that just became full join the prefix cache."""
         for seq, n in zip(batch.seqs, batch.num_new):
+            prefill = min(n, max(len(seq.prompt_token_ids) - seq.num_computed_tokens, 0))
+            self.fair.charge(seq.tenant or "", prefill, n - prefill, seq.tenant_weight)
             seq.num_computed_tokens += n
             if seq.num_forced:
                 seq.num_forced = max(0, min(seq.num_forced, seq.num_remaining - 1))

@@ -41,6 +41,8 @@ class Sequence:
     priority: int = 0                 # explicit; higher is served sooner
     interactive: bool = True          # a user is watching the stream (vs a batch job)
     arrival_time: float = field(default_factory=time.monotonic)
+    tenant: str | None = None         # fair-share group (sits.engine.fair_share)
+    tenant_weight: float = 1.0
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -120,6 +120,10 @@ class Tenancy:
         except KeyError:
             raise TenantNotFoundError(f"no tenant {name!r}", param="tenant") from None
 
+    def weight(self, name: str) -> float:
+        spec = self.tenants.get(name)
+        return spec.weight if spec is not None else 1.0
+
     def create_tenant(self, spec: TenantSpec) -> TenantSpec:
         if not self.store.put_tenant(spec, create=True):
             raise TenantExistsError(f"tenant {spec.name!r} exists; PATCH /v1/tenants/{spec.name} changes it",
