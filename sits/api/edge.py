@@ -27,7 +27,7 @@ from sits.observe import genai
 from sits.observe.tracing import Scope as TraceScope
 from sits.observe.tracing import close, current_scope, mark_failed, stage
 from sits.runtime.hints import RequestHints, current_hints
-from sits.tenancy.principal import OPERATOR, current_principal
+from sits.tenancy.principal import OPERATOR, current_charges, current_principal
 
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
@@ -137,6 +137,7 @@ class EdgeMiddleware:
             if self.auth.tenancy is not None:       # usage is recorded; a tenant's limits apply
                 account = RequestAccount(self.auth.tenancy, principal)
                 current_account.set(account)
+                current_charges.set(account.charges)
         if self.draining() and method in _BODY_METHODS and path.startswith("/v1/"):
             return await reply(503, "the server is shutting down and takes no new work", "server_shutting_down",
                                [(b"retry-after", b"1"), (b"connection", b"close")])

@@ -84,7 +84,8 @@ def build_gateway_app(gateway: Gateway, config_units: list[UnitSpec], settings: 
     async def stop(app: FastAPI) -> None:
         await gateway.shutdown()
 
-    app = create_app(registry, settings, on_startup=[start], on_shutdown=[stop], memory=gateway.memory)
+    app = create_app(registry, settings, on_startup=[start], on_shutdown=[stop], memory=gateway.memory,
+                     tenancy=gateway.tenancy)
     app.state.gateway = gateway
     app.include_router(control_routes.router)
     app.include_router(admin_routes.router)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from sits.api.backend import Backend
 from sits.engine.messages import EngineRequest, TokenEvent
 from sits.tenancy.cost import kv_block_seconds
-from sits.tenancy.principal import Principal
+from sits.tenancy.principal import Principal, RequestCharges
 from sits.tenancy.service import Admission, Tenancy
 from sits.tenancy.spec import NO_PRICING
 from sits.tenancy.store import UsageRecord
@@ -26,6 +26,7 @@ class RequestAccount:
     tenancy: Tenancy
     principal: Principal
     headers: dict[str, str] = field(default_factory=dict)    # x-ratelimit-* for the response
+    charges: RequestCharges = field(default_factory=RequestCharges)   # what the runtime adds (cold starts)
 
 
 current_account: contextvars.ContextVar[RequestAccount | None] = contextvars.ContextVar("sits_account", default=None)
@@ -97,7 +98,8 @@ class GenerationMeter:
             at=time.time(), request_id=self.request_id, tenant=p.tenant, key_id=p.key_id, unit=self.backend.name,
             outcome=outcome, prompt_tokens=u["prompt_tokens"], cached_tokens=u["cached_tokens"],
             completion_tokens=u["completion_tokens"], flops=float(u["flops"]), kv_block_seconds=u["kv_block_seconds"],
-            gb_hours=0.0, cost=u["cost"]))
+            gb_hours=0.0, cost=u["cost"], cold_starts=self.account.charges.cold_starts))
+        self.account.charges.cold_starts = 0        # a later generation of the same request (tool loop) starts at 0
         return u
 
 

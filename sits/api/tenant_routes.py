@@ -122,7 +122,8 @@ async def revoke_key(kid: str, request: Request) -> dict[str, Any]:
     return t.revoke_key(kid).view()
 
 
-_SUMS = ("prompt_tokens", "cached_tokens", "completion_tokens", "flops", "kv_block_seconds", "cost")
+_SUMS = ("prompt_tokens", "cached_tokens", "completion_tokens", "flops", "kv_block_seconds", "gb_hours", "cold_starts",
+         "cost")
 
 
 def aggregate(rows: list[UsageRecord], group_by: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -132,7 +133,7 @@ def aggregate(rows: list[UsageRecord], group_by: tuple[str, ...]) -> list[dict[s
         g = groups.get(key)
         if g is None:
             g = groups[key] = {**dict(zip(group_by, key)), "requests": 0, **{s: 0 for s in _SUMS}}
-        g["requests"] += 1
+        g["requests"] += r.outcome != "instance"       # an instance's memory-time rows are not requests
         for s in _SUMS:
             g[s] += getattr(r, s)
     out = []
@@ -140,6 +141,7 @@ def aggregate(rows: list[UsageRecord], group_by: tuple[str, ...]) -> list[dict[s
         g["total_tokens"] = g["prompt_tokens"] + g["completion_tokens"]
         g["cost"] = round(g["cost"], 9)
         g["kv_block_seconds"] = round(g["kv_block_seconds"], 6)
+        g["gb_hours"] = round(g["gb_hours"], 9)
         out.append(g)
     return sorted(out, key=lambda g: tuple(str(g[k]) for k in group_by))
 
@@ -151,7 +153,8 @@ async def usage(request: Request, tenant: str | None = None, key_id: str | None 
                 group_by: str = Query("tenant,unit", description="comma-separated: tenant, key_id, unit, or "
                                       "request_id (one row per request)"),
                 format: Literal["json", "csv"] = "json") -> Response:
-    """Tokens, FLOPs, KV block-seconds and cost, summed per group. A tenant's key sees its own tenant only."""
+    """Tokens, FLOPs, KV block-seconds, instance GB-hours (apportioned by busy time), cold starts caused
+    and cost, summed per group. A tenant's key sees its own tenant only."""
     t = tenancy_of(request)
     principal = current_principal.get()
     if not principal.admin:
@@ -165,7 +168,7 @@ async def usage(request: Request, tenant: str | None = None, key_id: str | None 
     if format == "csv":
         buf = io.StringIO()
         fields = [*groups, "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens", "flops",
-                  "kv_block_seconds", "cost"]
+                  "kv_block_seconds", "gb_hours", "cold_starts", "cost"]
         w = csv.DictWriter(buf, fieldnames=fields)
         w.writeheader()
         w.writerows(rows)

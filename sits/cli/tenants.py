@@ -125,11 +125,11 @@ def cmd_usage(args: argparse.Namespace) -> int:
         return 0
     groups = [g for g in args.group_by.split(",") if g]
     print("  ".join(f"{g:<16}" for g in groups) + f"{'requests':>9} {'prompt':>9} {'cached':>8} {'completion':>10} "
-          f"{'PFLOP':>10} {'KV blk-s':>9} {'cost':>10}")
+          f"{'PFLOP':>10} {'KV blk-s':>9} {'GB-h':>9} {'colds':>5} {'cost':>10}")
     for r in rows:
         print("  ".join(f"{str(r[g]):<16}" for g in groups) + f"{r['requests']:>9} {r['prompt_tokens']:>9} "
               f"{r['cached_tokens']:>8} {r['completion_tokens']:>10} {r['flops'] / 1e15:>10.4f} "
-              f"{r['kv_block_seconds']:>9.1f} {r['cost']:>10.4f}")
+              f"{r['kv_block_seconds']:>9.1f} {r['gb_hours']:>9.5f} {r['cold_starts']:>5} {r['cost']:>10.4f}")
     return 0
 
 
@@ -165,7 +165,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         _add_client_args(p)
         p.set_defaults(func=cmd_key)
 
-    use = sub.add_parser("usage", help="tokens, FLOPs, KV block-seconds and cost, summed per tenant/key/unit")
+    use = sub.add_parser("usage", help="tokens, FLOPs, KV block-seconds, instance GB-hours, cold starts and cost, per tenant/key/unit")
     use.add_argument("--tenant", default=None, help="only this tenant")
     use.add_argument("--key", default=None, help="only this key id")
     use.add_argument("--unit", default=None, help="only this unit")

@@ -27,6 +27,7 @@ from sits.engine.messages import EngineRequest, TokenEvent
 from sits.engine.sampling_params import SamplingParams
 from sits.observe import tracing
 from sits.runtime.hints import RequestHints
+from sits.tenancy.principal import current_charges, current_principal
 from sits.runtime.router import Router, prefix_hashes
 from sits.runtime.sla import NOT_OUTCOMES
 
@@ -209,6 +210,12 @@ class UnitDispatcher:
                 lag = 0.0
                 self._trace_route(t_route, inst, why, failovers)
                 self.router.record(inst.id, hashes, hints.session_id)
+                placed_at = time.monotonic()
+                if not inst.cold_start_claimed and inst.ready_at is not None and inst.requested_at >= t_route - 0.5 \
+                        and inst.ready_at > t_route:        # this request's wait started the instance
+                    inst.cold_start_claimed = True
+                    if (charges := current_charges.get()) is not None:
+                        charges.cold_starts += 1
                 inst.inflight += 1
                 self.inflight += 1
                 self._placed[rid] = inst.backend
@@ -235,6 +242,8 @@ class UnitDispatcher:
                                 self.unit.name, inst.id, rid, len(progress.sent))
                     cur = seq.resumed(progress.sent)    # a grammar resumes where it was: the sent tokens replay into it
                 finally:
+                    if inst.meter is not None:
+                        inst.meter.served(current_principal.get().tenant, time.monotonic() - placed_at)
                     inst.inflight -= 1
                     self.inflight -= 1
                     if self._placed.get(rid) is inst.backend:

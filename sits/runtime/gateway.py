@@ -28,6 +28,7 @@ from sits.runtime.prefetch import Prefetcher
 from sits.runtime.unit_store import UnitStore
 from sits.runtime.unit import UnitBackend
 from sits.runtime.zygote import ZygoteClient
+from sits.tenancy.service import Tenancy
 
 log = logging.getLogger("sits.runtime")
 
@@ -44,6 +45,8 @@ class UnitHost(Protocol):
     def observe_call(self, unit: str, hints: RequestHints) -> None: ...
 
     def launcher(self): ...
+
+    tenancy: "Tenancy | None"      # where usage is recorded (instance memory-time), when tenants are kept
 
 
 def unit_embedder_name(unit: str) -> str:
@@ -77,6 +80,7 @@ class Gateway:
         self.data_dir = Path(data_dir)
         # vector memory of the data directory (RAG units ingest into it; the HTTP layer serves it)
         self.memory = open_memory_store(self.data_dir)
+        self.tenancy: Tenancy | None = Tenancy.open(self.data_dir)     # tenants, keys, usage (the app serves them)
         self.use_zygote = zygote
         self.prefetcher = Prefetcher(threshold=prefetch_threshold if prefetch else float("inf"))
         self.zygote: ZygoteClient | None = None
@@ -231,6 +235,8 @@ class Gateway:
             await self.zygote.shutdown()
         self.store.close()
         self.memory.close()
+        if self.tenancy is not None:
+            self.tenancy.close()
 
     def status(self) -> dict:
         return {"units": [b.view() for b in self.units.values()], "events": list(self.events)[-50:]}

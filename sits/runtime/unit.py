@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from sits.runtime.gateway import UnitHost
 
 log = logging.getLogger("sits.runtime")
+MEMORY_ACCOUNT_INTERVAL_S = 60.0     # a live instance's memory-time is apportioned this often
 
 
 
@@ -72,8 +73,14 @@ class UnitBackend:
             kv_block_size=spec.engine_config().block_size)
         self.sampling_defaults = generation_defaults(spec.model) | spec.sampling.overrides()
         self.host = host
+        shape = self.features.shape
+        weight_bytes = shape.weight_params * (1 if spec.resources.quantization == "int8" else shape.kv_bytes_per_elem)
+        self.footprint_bytes = weight_bytes + self.limits.kv_capacity_tokens * shape.kv_bytes_per_token
+        self._memory_accounted_at = time.monotonic()
         self.pool = UnitPool(spec, on_event=lambda kind, data: host.record(spec.name, kind, data),
-                             launcher=host.launcher, tokenizer=self.tokenizer, limits=self.limits)
+                             launcher=host.launcher, tokenizer=self.tokenizer, limits=self.limits,
+                             footprint_bytes=self.footprint_bytes,
+                             on_stopped=lambda inst: self._account_memory(inst, final=True))
         self.autoscaler = Autoscaler(spec.scale, spec.slo)
         self.window = MetricsWindow(spec.scale.window_s)
         self.cpu = CpuMeter()
@@ -204,7 +211,20 @@ class UnitBackend:
             self.pool.reconcile(d.reason)        # replaces crashed instances
         if self.faults.active or self._directed:
             self.direct_instances()
+        if time.monotonic() - self._memory_accounted_at >= MEMORY_ACCOUNT_INTERVAL_S:
+            self._memory_accounted_at = time.monotonic()
+            for inst in self.pool.ready():
+                self._account_memory(inst, final=False)
         return d
+
+    def _account_memory(self, inst, final: bool) -> None:
+        """The instance's memory-time since the last time, to the tenants it served (usage rows)."""
+        tenancy = self.host.tenancy
+        if inst.meter is None or tenancy is None:
+            return
+        shares = inst.meter.close(time.monotonic(), final)
+        if shares:
+            tenancy.record_instance(self.name, inst.id, shares, self.spec.pricing.per_gb_hour)
 
     def view(self) -> dict:
         d = self.last_decision

@@ -27,6 +27,7 @@ from sits.engine.tokenizer import Tokenizer
 from sits.runtime.cpu_quota import CpuQuotaManager, thread_cap
 from sits.runtime.instance_client import InstanceBackend
 from sits.runtime.unit_spec import UnitSpec
+from sits.tenancy.instance_meter import InstanceMeter
 
 log = logging.getLogger("sits.runtime")
 
@@ -53,6 +54,8 @@ class Instance:
     error: str | None = None
     task: asyncio.Task | None = None
     quota: dict | None = None                      # the CpuQuota applied to its process, if any
+    meter: InstanceMeter | None = None             # its memory-time, apportioned to the tenants it serves
+    cold_start_claimed: bool = False               # a request that waited for this start was charged it
 
     def cold_start(self) -> dict:
         """The start's phases; ``first_token`` (and a background KV touch) join once they happened."""
@@ -91,13 +94,16 @@ def quota_manager() -> CpuQuotaManager:
 class UnitPool:
     def __init__(self, spec: UnitSpec, *, on_event: Callable[[str, dict], None] | None = None,
                  launcher: Callable[[], object | None] | None = None, tokenizer: Tokenizer | None = None,
-                 limits: EngineLimits | None = None):
+                 limits: EngineLimits | None = None, footprint_bytes: int = 0,
+                 on_stopped: Callable[[Instance], None] | None = None):
         """``launcher()`` returns the current instance launcher (the zygote's fork) or None (fresh process);
         ``tokenizer``: the unit's, shared by its instances' front-end sides (not reloaded per start);
         ``limits``: what the unit validates requests against: an instance reporting others is not used."""
         self.spec = spec
         self.tokenizer = tokenizer
         self.limits = limits
+        self.footprint_bytes = footprint_bytes      # weights + KV pool of one instance (memory accounting)
+        self._on_stopped = on_stopped or (lambda inst: None)
         self._launcher = launcher or (lambda: None)
         self.instances: list[Instance] = []
         self.desired = 0
@@ -114,6 +120,8 @@ class UnitPool:
         self.next_start_at = 0.0                   # monotonic: no start before this (backoff)
 
     def _stopped(self, inst: Instance, error: str | None = None) -> None:
+        if inst.state is not InstanceState.STOPPED:
+            self._on_stopped(inst)
         inst.state = InstanceState.STOPPED
         if error is not None:
             inst.error = error
@@ -257,6 +265,7 @@ class UnitPool:
         self.last_started = inst
         inst.state = InstanceState.READY
         inst.ready_at = time.monotonic()
+        inst.meter = InstanceMeter(self.footprint_bytes, inst.requested_at)
         log.info("unit %s: instance %s READY in %.0f ms %s", self.spec.name, inst.id, inst.report["total_ms"],
                  phases)
         self._on_event("instance_ready", {"instance": inst.id, "cold_start": inst.report})

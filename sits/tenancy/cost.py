@@ -24,6 +24,7 @@ class ModelShape:
     sliding_window: int | None = None       # None: every layer attends to the whole context
     windowed_layers: int = 0                # how many layers the window applies to
     kv_bytes_per_elem: int = 2
+    tied_embeddings: bool = False
 
     @classmethod
     def of(cls, mc, kv_bytes_per_elem: int = 2) -> "ModelShape":
@@ -32,7 +33,8 @@ class ModelShape:
         return cls(layers=mc.num_hidden_layers, hidden=mc.hidden_size, intermediate=mc.intermediate_size,
                    heads=mc.num_attention_heads, kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
                    vocab=mc.vocab_size, sliding_window=mc.sliding_window if windowed else None,
-                   windowed_layers=windowed, kv_bytes_per_elem=kv_bytes_per_elem)
+                   windowed_layers=windowed, kv_bytes_per_elem=kv_bytes_per_elem,
+                   tied_embeddings=bool(mc.tie_word_embeddings))
 
     @property
     def layer_params(self) -> int:
@@ -41,6 +43,11 @@ class ModelShape:
         kv = self.kv_heads * self.head_dim
         return self.layers * (self.hidden * q + 2 * self.hidden * kv + q * self.hidden
                               + 3 * self.hidden * self.intermediate)
+
+    @property
+    def weight_params(self) -> int:
+        """All parameters: the layers' matmuls, the embedding and (untied) the LM head; norms are noise."""
+        return self.layer_params + self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
 
     @property
     def kv_bytes_per_token(self) -> int:

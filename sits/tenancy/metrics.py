@@ -19,6 +19,10 @@ class TenantCollector(Collector):
                                      labels=["tenant", "unit", "kind"])
         flops = CounterMetricFamily("sits:tenant_flops", "floating-point operations computed", labels=["tenant", "unit"])
         kv = CounterMetricFamily("sits:tenant_kv_block_seconds", "KV-cache blocks held x seconds", labels=["tenant", "unit"])
+        gbh = CounterMetricFamily("sits:tenant_instance_gb_hours", "instance memory-time (weights + KV) apportioned "
+                                  "by busy time", labels=["tenant", "unit"])
+        colds = CounterMetricFamily("sits:tenant_cold_starts", "instance starts a tenant's requests caused",
+                                    labels=["tenant", "unit"])
         cost = CounterMetricFamily("sits:tenant_cost", "cost units charged (the units' price tables)", labels=["tenant", "unit"])
         refused = CounterMetricFamily("sits:tenant_rejections", "requests refused by a limit or budget (429)",
                                       labels=["tenant", "code"])
@@ -27,12 +31,15 @@ class TenantCollector(Collector):
         active = GaugeMetricFamily("sits:tenant_requests_in_flight", "admitted requests not yet finished", labels=["tenant"])
         per_unit: dict[tuple[str, str], list[float]] = {}
         for (tenant, unit, outcome), u in list(t.totals.items()):
-            requests.add_metric([tenant, unit, outcome], u.requests)
-            agg = per_unit.setdefault((tenant, unit), [0, 0, 0, 0.0, 0.0, 0.0])
+            if outcome != "instance":
+                requests.add_metric([tenant, unit, outcome], u.requests)
+            agg = per_unit.setdefault((tenant, unit), [0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0])
             for i, v in enumerate((u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.flops, u.kv_block_seconds,
-                                   u.cost)):
+                                   u.cost, u.gb_hours, u.cold_starts)):
                 agg[i] += v
-        for (tenant, unit), (p, c, o, f, k, money) in per_unit.items():
+        for (tenant, unit), (p, c, o, f, k, money, gb, cs) in per_unit.items():
+            gbh.add_metric([tenant, unit], gb)
+            colds.add_metric([tenant, unit], cs)
             for kind, n in (("prompt", p), ("cached", c), ("completion", o)):
                 tokens.add_metric([tenant, unit, kind], n)
             flops.add_metric([tenant, unit], f)
@@ -49,4 +56,4 @@ class TenantCollector(Collector):
                 for measure in ("tokens", "cost"):
                     if f"{measure}_remaining" in v:
                         remaining.add_metric([ident, b.spec.period, measure], v[f"{measure}_remaining"])
-        yield from (requests, tokens, flops, kv, cost, refused, remaining, active)
+        yield from (requests, tokens, flops, kv, gbh, colds, cost, refused, remaining, active)

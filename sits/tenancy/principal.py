@@ -40,3 +40,13 @@ def unscoped(stored_id: str) -> str | None:
         return None if "/" in stored_id else stored_id
     prefix = f"{tenant}/"
     return stored_id[len(prefix):] if stored_id.startswith(prefix) else None
+
+
+@dataclass(slots=True)
+class RequestCharges:
+    """What the runtime charges a request besides its tokens (filled in where it happens)."""
+
+    cold_starts: int = 0
+
+
+current_charges: contextvars.ContextVar[RequestCharges | None] = contextvars.ContextVar("sits_charges", default=None)

@@ -62,6 +62,8 @@ class UsageTotals:
     completion_tokens: int = 0
     flops: float = 0.0
     kv_block_seconds: float = 0.0
+    gb_hours: float = 0.0
+    cold_starts: int = 0
     cost: float = 0.0
 
 
@@ -243,7 +245,22 @@ class Tenancy:
         t.completion_tokens += record.completion_tokens
         t.flops += record.flops
         t.kv_block_seconds += record.kv_block_seconds
+        t.cold_starts += record.cold_starts
         t.cost += record.cost
+
+    def record_instance(self, unit: str, instance: str, shares: list[tuple[str | None, float]],
+                        per_gb_hour: float) -> None:
+        """An instance's memory-time, apportioned (``InstanceMeter.close``), as usage rows of outcome
+        ``instance`` (attributed and priced; not held against budgets, which a request reserves)."""
+        now = self.clock()
+        rows = [UsageRecord(at=now, request_id=instance, tenant=t, key_id=None, unit=unit, outcome="instance",
+                            prompt_tokens=0, cached_tokens=0, completion_tokens=0, flops=0.0, kv_block_seconds=0.0,
+                            gb_hours=gb, cost=gb * per_gb_hour) for t, gb in shares if gb > 0]
+        self.store.record(rows)
+        for r in rows:
+            tot = self.totals[(r.tenant or "", unit, "instance")]
+            tot.gb_hours += r.gb_hours
+            tot.cost += r.cost
 
     def release(self, adm: Admission) -> None:
         """A reservation whose request never ran: nothing spent, nothing recorded."""

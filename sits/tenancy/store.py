@@ -28,7 +28,7 @@ CREATE TABLE IF NOT EXISTS keys (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, hash
 CREATE TABLE IF NOT EXISTS usage (seq INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, request_id TEXT,
     tenant TEXT, key_id TEXT, unit TEXT NOT NULL, outcome TEXT NOT NULL, prompt_tokens INTEGER NOT NULL,
     cached_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL, flops REAL NOT NULL,
-    kv_block_seconds REAL NOT NULL, gb_hours REAL NOT NULL, cost REAL NOT NULL);
+    kv_block_seconds REAL NOT NULL, gb_hours REAL NOT NULL, cost REAL NOT NULL, cold_starts INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS usage_tenant_at ON usage (tenant, at);
 CREATE INDEX IF NOT EXISTS usage_key_at ON usage (key_id, at);
 """
@@ -67,6 +67,7 @@ class UsageRecord:
     kv_block_seconds: float
     gb_hours: float
     cost: float
+    cold_starts: int = 0         # instance starts this request asked for and waited on
 
     @property
     def tokens(self) -> int:
@@ -174,12 +175,13 @@ class TenantStore:
                                  [tuple(getattr(r, f) for f in USAGE_FIELDS) for r in rows])
 
     def spent(self, column: str, value: str, since: float) -> tuple[int, float]:
-        """Settled tokens and cost of one tenant or key (``column``: tenant | key_id) since ``since``."""
+        """Settled tokens and cost of one tenant or key (``column``: tenant | key_id) since ``since``:
+        its requests' (instance memory-time is attributed, not held against budgets)."""
         assert column in ("tenant", "key_id")
         with self._lock:
             tokens, cost = self._db.execute(
                 f"SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0), COALESCE(SUM(cost), 0) FROM usage "
-                f"WHERE {column} = ? AND at >= ?", (value, since)).fetchone()
+                f"WHERE {column} = ? AND at >= ? AND outcome != 'instance'", (value, since)).fetchone()
         return int(tokens), float(cost)
 
     def usage(self, *, tenant: str | None = None, key_id: str | None = None, unit: str | None = None,
