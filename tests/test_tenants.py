@@ -347,3 +347,16 @@ def test_tenant_metrics_and_the_cli(server, capsys):
     assert "PERIOD day, month or total" in capsys.readouterr().err
     assert main(["tenant", "create", "fromcli", *base]) == 2          # exists: one line, typed
     assert "[tenant_exists]" in capsys.readouterr().err
+
+
+def test_embeddings_count_against_a_tenants_limits_and_usage(server):
+    url = server.url
+    key = _tenant(url, "embedder", limits={"tokens_per_min": 30})
+    r = httpx.post(f"{url}/v1/embeddings", headers=_h(key), json={"model": "tiny", "input": [list(range(5, 25))]})
+    assert r.status_code == 200, r.text
+    assert int(r.headers["x-ratelimit-remaining-tokens"]) <= 11
+    _error(httpx.post(f"{url}/v1/embeddings", headers=_h(key), json={"model": "tiny", "input": [list(range(5, 25))]}),
+           429, "rate_limit_exceeded")
+    rows = server.app.state.sits.tenancy.store.usage(tenant="embedder")
+    assert [(r.prompt_tokens, r.completion_tokens, r.outcome) for r in rows] == [(20, 0, "finished")]
+    assert rows[0].flops > 0

@@ -7,6 +7,7 @@ variable when the server keeps tenants; without one, nothing here runs.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import time
 import weakref
@@ -101,6 +102,34 @@ class GenerationMeter:
             gb_hours=0.0, cost=u["cost"], cold_starts=self.account.charges.cold_starts))
         self.account.charges.cold_starts = 0        # a later generation of the same request (tool loop) starts at 0
         return u
+
+
+@contextlib.contextmanager
+def metered_prompts(unit: str, request_id: str, lengths: list[int], pricing=None, shape=None):
+    """Admission and settlement of a request that only reads prompts (embeddings): its tokens
+    are reserved on a tenant's limits and budgets, and recorded, like a generation's prompt."""
+    account = current_account.get()
+    if account is None:
+        yield
+        return
+    pricing = pricing or NO_PRICING
+    tokens = sum(lengths)
+    flops = 0 if shape is None else sum(shape.flops(n, 0, 0) - 2 * shape.hidden * shape.vocab for n in lengths)
+    cost = pricing.cost(tokens, 0, 0, flops)
+    admission = account.tenancy.admit(account.principal, unit, tokens, cost)
+    account.headers.update(admission.headers)
+    admission.first_token()
+    outcome = "failed"
+    try:
+        yield
+        outcome = "finished"
+    finally:
+        p = account.principal
+        account.tenancy.settle(admission, UsageRecord(
+            at=time.time(), request_id=request_id, tenant=p.tenant, key_id=p.key_id, unit=unit, outcome=outcome,
+            prompt_tokens=tokens if outcome == "finished" else 0, cached_tokens=0, completion_tokens=0,
+            flops=float(flops) if outcome == "finished" else 0.0, kv_block_seconds=0.0, gb_hours=0.0,
+            cost=cost if outcome == "finished" else 0.0))
 
 
 def use_of(prompt_len: int, first: TokenEvent | None, last: TokenEvent | None, completion: int) -> SequenceUse:

@@ -10,7 +10,8 @@ import base64
 import numpy as np
 from fastapi import APIRouter, Request
 
-from sits.api.context import context_of
+from sits.api.context import context_of, new_request_id
+from sits.api.metering import metered_prompts
 from sits.api.errors import ErrorResponse
 from sits.api.protocol import MINILM, EmbeddingRequest
 from sits.engine.errors import ContextLengthExceededError, InvalidRequestError
@@ -43,8 +44,10 @@ async def create_embeddings(body: EmbeddingRequest, request: Request):
             raise InvalidRequestError(f"{MINILM} takes text, not token ids", param="input", code="invalid_input")
         from sits.memory.embedder import shared_embedder
         embedder = await asyncio.to_thread(shared_embedder)
-        vectors = (await asyncio.to_thread(embedder.embed, items)).numpy()
-        tokens = sum(len(e.ids) for e in embedder.tokenizer.encode_batch(items))
+        lengths = [len(e.ids) for e in embedder.tokenizer.encode_batch(items)]
+        with metered_prompts(MINILM, new_request_id(), lengths):
+            vectors = (await asyncio.to_thread(embedder.embed, items)).numpy()
+        tokens = sum(lengths)
     else:
         backend = ctx.registry.get(body.model)
         ids = []
@@ -57,7 +60,9 @@ async def create_embeddings(body: EmbeddingRequest, request: Request):
                 raise InvalidRequestError(f"input[{i}]: token ids must be in [0, {backend.tokenizer.vocab_size})",
                                           param="input", code="invalid_token_id")
             ids.append(toks)
-        vectors = np.asarray(await backend.embed(ids), dtype=np.float32)
+        with metered_prompts(backend.name, new_request_id(), [len(t) for t in ids], backend.features.pricing,
+                             backend.features.shape):
+            vectors = np.asarray(await backend.embed(ids), dtype=np.float32)
         tokens = sum(len(t) for t in ids)
     if body.dimensions is not None and body.dimensions != vectors.shape[1]:
         raise InvalidRequestError(f"{body.model} gives {vectors.shape[1]} dimensions; it cannot shorten them",
