@@ -138,3 +138,16 @@ def test_a_docs_tag_keeps_a_section_per_model(tmp_path):
     assert text.count("## X") == 1 and text.count("## [big] X") == 1
     assert "\n3\n" in text and "\n4\n" in text and "\n1\n" not in text and "\n2\n" not in text
     assert text.count("<!-- sits bench x [big]: begin -->") == 1
+
+
+@pytest.mark.slow
+def test_fairness_bench_runs_both_variants(tiny_model_dir, tmp_path):
+    from sits.bench import fairness_bench
+    out, docs = tmp_path / "fairness.json", tmp_path / "benchmarks.md"
+    r = fairness_bench.run_fairness_bench(tiny_model_dir, duration_s=2.0, flood_rps=4.0, interactive_rps=2.0, repeats=1,
+                                          threads=1, dtype="float32", max_num_batched_tokens=64,
+                                          json_out=str(out), docs_out=str(docs))
+    data = json.loads(out.read_text())
+    assert set(data["summary"]) == {"off", "on", "ratios"} and data["requests"]["b"] > 0
+    assert r["runs"]["on"][0]["b"]["requests"] == data["requests"]["b"]
+    assert fairness_bench.DOC_BEGIN in docs.read_text() and (tmp_path / "img" / "fairness_bench.png").exists()

@@ -7,6 +7,8 @@ small insert in WAL mode). One gateway is the authority for its tenants' limits 
 
 from __future__ import annotations
 
+import logging
+import sqlite3
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -17,6 +19,8 @@ from sits.tenancy.accounts import Account
 from sits.tenancy.principal import OPERATOR, Principal
 from sits.tenancy.spec import KeySpec, TenantSpec, TenantUpdate
 from sits.tenancy.store import KeyRecord, TenantStore, UsageRecord, split_key
+
+log = logging.getLogger("sits.tenancy")
 
 
 class TenantNotFoundError(SitsError):
@@ -237,7 +241,7 @@ class Tenancy:
         adm.settled = True
         for a in adm.accounts:
             a.settle(adm.tokens, adm.cost, record.tokens, record.cost, adm.started)
-        self.store.record([record])
+        self._record([record])
         t = self.totals[(record.tenant or "", record.unit, record.outcome)]
         t.requests += 1
         t.prompt_tokens += record.prompt_tokens
@@ -256,11 +260,19 @@ class Tenancy:
         rows = [UsageRecord(at=now, request_id=instance, tenant=t, key_id=None, unit=unit, outcome="instance",
                             prompt_tokens=0, cached_tokens=0, completion_tokens=0, flops=0.0, kv_block_seconds=0.0,
                             gb_hours=gb, cost=gb * per_gb_hour) for t, gb in shares if gb > 0]
-        self.store.record(rows)
+        self._record(rows)
         for r in rows:
             tot = self.totals[(r.tenant or "", unit, "instance")]
             tot.gb_hours += r.gb_hours
             tot.cost += r.cost
+
+    def _record(self, rows: list[UsageRecord]) -> None:
+        """A usage row that cannot be written (disk full, a locked database) is logged; the request
+        it describes has been served and its accounts are settled in memory either way."""
+        try:
+            self.store.record(rows)
+        except sqlite3.Error:
+            log.exception("usage rows not recorded (%d)", len(rows))
 
     def release(self, adm: Admission) -> None:
         """A reservation whose request never ran: nothing spent, nothing recorded."""

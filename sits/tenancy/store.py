@@ -98,6 +98,9 @@ class TenantStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(usage)")}
+        if "cold_starts" not in columns:        # a database from before cold starts were recorded
+            self._db.execute("ALTER TABLE usage ADD COLUMN cold_starts INTEGER NOT NULL DEFAULT 0")
         self._lock = threading.Lock()
 
     def close(self) -> None:
