@@ -360,3 +360,19 @@ def test_embeddings_count_against_a_tenants_limits_and_usage(server):
     rows = server.app.state.sits.tenancy.store.usage(tenant="embedder")
     assert [(r.prompt_tokens, r.completion_tokens, r.outcome) for r in rows] == [(20, 0, "finished")]
     assert rows[0].flops > 0
+
+
+def test_an_update_keeps_spend_and_reservations_of_each_budget():
+    from sits.tenancy.accounts import Account
+    from sits.tenancy.spec import BudgetSpec, LimitsSpec
+    budgets = [BudgetSpec(period="day", tokens=100), BudgetSpec(period="day", cost=1.0)]
+    acct = Account.new("tenant", "t", LimitsSpec(), budgets, now=1000.0)
+    acct.reserve(10, 0.5)
+    acct.settle(10, 0.5, 4, 0.2, started=False)
+    acct.reserve(30, 0.1)
+    acct.configure(LimitsSpec(), [BudgetSpec(period="day", tokens=200), BudgetSpec(period="day", cost=2.0)], 1001.0,
+                   lambda b, since: (0, 0.0))
+    tok, cost = acct.budgets
+    assert (tok.spec.tokens, tok.settled_tokens, tok.reserved_tokens) == (200, 4, 30)
+    assert (cost.spec.cost, cost.settled_cost, cost.reserved_cost) == (2.0, pytest.approx(0.2), pytest.approx(0.1))
+    assert acct.refusal(166, 0.0, 1001.0) is None and acct.refusal(167, 0.0, 1001.0).code == "budget_exceeded"

@@ -134,14 +134,17 @@ class Account:
 
     def configure(self, limits: LimitsSpec, budgets: list[BudgetSpec], now: float, spent) -> None:
         """New limits and budgets (an update keeps what is in flight and what was spent)."""
-        old = {(b.spec.period): b for b in self.budgets}
+        old: dict[str, list[BudgetState]] = {}      # per period, in order: two budgets may share one
+        for b in self.budgets:
+            old.setdefault(b.spec.period, []).append(b)
         self.limits = limits
         self.rpm = _bucket(limits.requests_per_min, self.rpm, now)
         self.tpm = _bucket(limits.tokens_per_min, self.tpm, now)
         self.budgets = []
         for spec in budgets:
             start = period_start(spec.period, now)
-            prev = old.get(spec.period)
+            same = old.get(spec.period)
+            prev = same.pop(0) if same else None
             if prev is not None and prev.start == start:
                 state = BudgetState(spec, start, prev.settled_tokens, prev.settled_cost, prev.reserved_tokens,
                                     prev.reserved_cost)
