@@ -376,3 +376,21 @@ def test_an_update_keeps_spend_and_reservations_of_each_budget():
     assert (tok.spec.tokens, tok.settled_tokens, tok.reserved_tokens) == (200, 4, 30)
     assert (cost.spec.cost, cost.settled_cost, cost.reserved_cost) == (2.0, pytest.approx(0.2), pytest.approx(0.1))
     assert acct.refusal(166, 0.0, 1001.0) is None and acct.refusal(167, 0.0, 1001.0).code == "budget_exceeded"
+
+
+def test_max_queued_bounds_a_tenants_unfinished_async_requests(server):
+    url = server.url
+    key = _tenant(url, "queuer", limits={"max_queued": 2})
+    body = {"prompt": "hi", "constraints": {"max_tokens": 200}}
+    ids, refused = [], []
+    for _ in range(6):
+        r = httpx.post(f"{url}/v1/requests", headers=_h(key), json=body)
+        (ids if r.status_code == 202 else refused).append(r)
+    assert len(ids) >= 2 and refused, [r.status_code for r in refused]
+    for r in refused:
+        _error(r, 429, "queue_limit_exceeded")
+        assert r.headers["retry-after"] == "1"
+    for r in ids:
+        httpx.delete(f"{url}/v1/requests/{r.json()['id']}", headers=_h(key))
+        assert _finished(url, r.json()["id"], key)["state"] in ("RESOLVED", "REJECTED")
+    assert httpx.post(f"{url}/v1/requests", headers=_h(key), json=body).status_code == 202

@@ -233,6 +233,15 @@ class Tenancy:
                 err.headers = acct.rate_headers(now)
                 raise err
 
+    def queue_limits(self, principal: Principal) -> list[tuple[str, int]]:
+        """(``key`` | ``tenant``, max_queued) of the caller's accounts that set one."""
+        out = []
+        for kind, ident in (("key", principal.key_id), ("tenant", principal.tenant)):
+            acct = self.accounts.get((kind, ident))
+            if acct is not None and acct.limits.max_queued is not None:
+                out.append((kind, acct.limits.max_queued))
+        return out
+
     def settle(self, adm: Admission, record: UsageRecord) -> None:
         """What the request really used: its accounts take that instead of the reservation, and it
         is recorded (every request, tenant or not, so usage per unit is complete)."""

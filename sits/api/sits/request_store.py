@@ -52,6 +52,7 @@ class TrackedRequest:
     memories_written: list[str] = field(default_factory=list)
     tool_steps: list[dict] = field(default_factory=list)     # the tool loop's steps that called tools
     owner: str | None = None                         # the tenant that submitted it (None: no tenants)
+    owner_key: str | None = None                     # ... and its key
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def start(self, subscribers: list[Subscriber]) -> None:
@@ -138,7 +139,8 @@ class RequestStore:
         if len(self._live) >= self.max_pending:
             raise TooManyRequestsError(f"{len(self._live)} requests are unfinished (limit {self.max_pending}); "
                                        "retry later")
-        tr = TrackedRequest(request_id, unit, owner=current_principal.get().tenant)
+        principal = current_principal.get()
+        tr = TrackedRequest(request_id, unit, owner=principal.tenant, owner_key=principal.key_id)
         self._live[request_id] = tr
         tr.start([*subscribers, lambda ev: self._on_transition(tr, ev)])
         return tr
@@ -168,6 +170,10 @@ class RequestStore:
             else:
                 break
         return dropped
+
+    def unfinished_of(self, tenant: str, key_id: str | None = None) -> int:
+        """How many of a tenant's (or one of its keys') requests are not finished."""
+        return sum(1 for tr in self._live.values() if tr.owner == tenant and (key_id is None or tr.owner_key == key_id))
 
     def live(self) -> list[TrackedRequest]:
         return list(self._live.values())

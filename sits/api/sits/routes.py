@@ -33,6 +33,7 @@ from sits.api.sse import SSE_KEEPALIVE, SSEResponse, sse_event
 from sits.engine.errors import InvalidRequestError, SitsError
 from sits.engine.sampling_params import SamplingParams
 from sits.memory.vectors import off_loop
+from sits.tenancy.accounts import RateLimitedError
 from sits.tenancy.principal import current_principal, scoped
 from sits.tools import ToolError
 from sits.observe import genai, tracing
@@ -83,7 +84,15 @@ async def submit(body: SitsRequest, request: Request) -> JSONResponse:
                                   "a unit's shared set is not written by tenants", param="memory_ref",
                                   code="memory_ref_required")
     if (account := current_account.get()) is not None:     # a budget or limit already spent: 429 before the 202
-        account.tenancy.check(account.principal, body.constraints.max_tokens)
+        p = account.principal
+        account.tenancy.check(p, body.constraints.max_tokens)
+        for kind, limit in account.tenancy.queue_limits(p):   # unfinished async requests wait in a queue too
+            n = _store(request).unfinished_of(p.tenant, p.key_id if kind == "key" else None)
+            if n >= limit:
+                err = RateLimitedError(f"{kind} has {n} unfinished requests (max_queued {limit})",
+                                       code="queue_limit_exceeded")
+                err.retry_after_s = 1
+                raise err
     # opened only once nothing can refuse the request any more (an unended span would hold its trace)
     execution = tracing.open_child("request.execute", t0, level="L3", async_mechanism="queue",
                                    attributes={"sits.request_id": rid, genai.REQUEST_MODEL: body.unit})
