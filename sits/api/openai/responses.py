@@ -151,6 +151,8 @@ class ResponseAnswer:
             out["usage"] = {"input_tokens": g.prompt_tokens, "input_tokens_details": {"cached_tokens": g.cached_tokens},
                             "output_tokens": g.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                             "total_tokens": g.prompt_tokens + g.completion_tokens}
+            if g.meter is not None:                 # a server that keeps tenants: what it cost (as in chat)
+                out["usage"]["sits"] = g.usage()["sits"]
             if self.tool_call_errors:
                 out["tool_call_errors"] = self.tool_call_errors
         return out
