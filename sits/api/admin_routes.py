@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Request
 
 from sits.api.context import context_of
 from sits.api.control_routes import unit_or_404
-from sits.api.auth import keys_match
+from sits.api.auth import bearer, keys_match
 from sits.api.errors import AuthenticationError, error_docs
 from sits.engine.errors import SitsError
 from sits.faults import FaultsSpec
@@ -33,15 +33,13 @@ def require_admin(request: Request) -> None:
     keys = ctx.settings.admin_keys
     tenancy = ctx.tenancy
     if tenancy is not None and tenancy.active:      # a tenant key with role admin opens them too
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        principal = tenancy.authenticate(token.strip()) if scheme.lower() == "bearer" else None
+        principal = tenancy.authenticate(bearer(request))
         if principal is not None and principal.admin:
             return
     if not keys:
         raise AdminDisabledError("the admin endpoints are off; start the server with --admin-key "
                                  "(or SITS_ADMIN_KEY) to use them")
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not keys_match(token.strip(), keys):
+    if not keys_match(bearer(request), keys):
         raise AuthenticationError("invalid or missing admin key: send Authorization: Bearer <admin key>",
                                   code="invalid_admin_key")
 

@@ -7,6 +7,7 @@ import hmac
 
 from fastapi import Request
 
+from sits.api.context import context_of
 from sits.engine.errors import SitsError
 from sits.tenancy.principal import OPERATOR, Principal, current_principal
 
@@ -49,7 +50,7 @@ def bearer(request: Request) -> str:
 def require_operator(request: Request) -> None:
     """The control API and the tenant admin API: open as before while no tenant key exists (the edge
     still checks ``--api-key``), an admin key (or the operator's static key) once one does."""
-    tenancy = getattr(request.app.state.sits, "tenancy", None)
+    tenancy = context_of(request).tenancy
     if tenancy is None or not tenancy.active:
         return
     if not current_principal.get().admin:

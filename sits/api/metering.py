@@ -114,7 +114,7 @@ def metered_prompts(unit: str, request_id: str, lengths: list[int], pricing=None
         return
     pricing = pricing or NO_PRICING
     tokens = sum(lengths)
-    flops = 0 if shape is None else sum(shape.flops(n, 0, 0) - 2 * shape.hidden * shape.vocab for n in lengths)
+    flops = 0 if shape is None else sum(shape.flops(n, 0, 0, lm_head=False) for n in lengths)
     cost = pricing.cost(tokens, 0, 0, flops)
     admission = account.tenancy.admit(account.principal, unit, tokens, cost)
     account.headers.update(admission.headers)

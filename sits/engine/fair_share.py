@@ -50,6 +50,3 @@ class FairShare:
         """Weighted tokens this tenant has been served beyond the least-served active tenant."""
         lowest = self.floor()
         return 0.0 if lowest is None else self.counters.get(tenant, 0.0) - lowest
-
-    def view(self) -> dict[str, float]:
-        return {t: round(c, 1) for t, c in self.counters.items() if t in self.active}

@@ -32,7 +32,7 @@ from sits.engine.messages import (AbortRequest, EmbedRequest, Embedded, EngineIn
 from sits.engine.request_validator import RequestValidator
 from sits.engine.sampling_params import SamplingParams
 from sits.engine.tokenizer import Tokenizer
-from sits.runtime.features import BackendFeatures, model_shape
+from sits.runtime.features import NO_FEATURES
 from sits.runtime.wire import FrameProtocol, encode
 
 
@@ -49,8 +49,7 @@ class InstanceBackend:
         self.max_model_len = info.limits.max_model_len
         self.max_num_seqs = cfg.max_num_seqs
         self.tokenizer = tokenizer
-        self.features = BackendFeatures(shape=model_shape(str(cfg.model), cfg.dtype, cfg.device),
-                                        kv_block_size=cfg.block_size)
+        self.features = NO_FEATURES          # a unit declares its own; ``SupervisedInstance`` its cost shape
         self.sampling_defaults = generation_defaults(cfg.model)
         self.validator = RequestValidator(tokenizer, info.limits)
         self.kv_capacity_tokens = self.validator.kv_capacity_tokens

@@ -20,6 +20,7 @@ import numpy as np
 from sits.engine.errors import SitsError
 from sits.engine.messages import EngineRequest, EngineStats, TokenEvent
 from sits.engine.sampling_params import SamplingParams
+from sits.runtime.features import BackendFeatures, model_shape
 from sits.runtime.instance_client import InstanceBackend
 
 log = logging.getLogger("sits.runtime")
@@ -41,7 +42,9 @@ class SupervisedInstance:
         self.root = first.root
         self.created = first.created
         self.tokenizer = first.tokenizer
-        self.features = first.features
+        # what a token costs (usage records): read once here, not at every restart
+        self.features = BackendFeatures(shape=model_shape(str(first.cfg.model), first.cfg.dtype, first.cfg.device),
+                                        kv_block_size=first.cfg.block_size)
         self.sampling_defaults = first.sampling_defaults
         self.backoff_s = backoff_s
         self.backoff_max_s = backoff_max_s

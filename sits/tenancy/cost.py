@@ -66,9 +66,10 @@ class ModelShape:
         windowed = (lo_stop * (lo_stop + 1) - start * (start + 1)) // 2 + (stop - lo_stop) * w
         return full, windowed
 
-    def flops(self, prompt: int, cached: int, completion: int) -> int:
+    def flops(self, prompt: int, cached: int, completion: int, lm_head: bool = True) -> int:
         """FLOPs the engine ran for one sequence: ``prompt`` tokens of which ``cached`` came from
-        the prefix cache, and ``completion`` generated tokens."""
+        the prefix cache, and ``completion`` generated tokens (``lm_head`` false: hidden states
+        only, as an embedding reads them)."""
         if completion <= 0 and prompt <= cached:
             return 0
         end = prompt + max(completion - 1, 0)          # the last generated token is never fed back
@@ -76,7 +77,7 @@ class ModelShape:
         full_keys, windowed_keys = self._keys(cached, end)
         per_key = 4 * self.heads * self.head_dim
         attention = per_key * ((self.layers - self.windowed_layers) * full_keys + self.windowed_layers * windowed_keys)
-        logits = max(completion, 1 if prompt > cached else 0)
+        logits = max(completion, 1 if prompt > cached else 0) if lm_head else 0
         return 2 * self.layer_params * positions + attention + 2 * self.hidden * self.vocab * logits
 
 

@@ -209,8 +209,7 @@ class Tenancy:
             return Admission(principal, unit, [], tokens, cost)
         self.check(principal, tokens, cost)          # no await between the check and the reservation
         now = self.clock()
-        accounts = [a for k in (("key", principal.key_id), ("tenant", principal.tenant))
-                    if (a := self.accounts.get(k)) is not None]
+        accounts = self._accounts_of(principal, now)
         for acct in accounts:
             acct.reserve(tokens, cost)
         headers = next((h for a in accounts if (h := a.rate_headers(now))), {})
@@ -219,19 +218,25 @@ class Tenancy:
     def check(self, principal: Principal, tokens: int, cost: float = 0.0) -> None:
         """Raise the 429 that admitting ``tokens`` / ``cost`` would meet now, reserving nothing (an
         asynchronous request is checked so before its 202; it is admitted when it runs)."""
-        if principal.tenant is None:
-            return
         now = self.clock()
-        for kind, ident, column in (("key", principal.key_id, "key_id"), ("tenant", principal.tenant, "tenant")):
-            acct = self.accounts.get((kind, ident))
-            if acct is None:
-                continue
-            acct.roll(now, self._spent(column, ident))
+        for acct in self._accounts_of(principal, now):
             err = acct.refusal(tokens, cost, now)
             if err is not None:
                 self.rejections[(principal.tenant, err.code)] += 1
                 err.headers = acct.rate_headers(now)
                 raise err
+
+    def _accounts_of(self, principal: Principal, now: float) -> list[Account]:
+        """The caller's key and tenant accounts (none for the operator), their budget periods current."""
+        out = []
+        if principal.tenant is None:
+            return out
+        for kind, ident, column in (("key", principal.key_id, "key_id"), ("tenant", principal.tenant, "tenant")):
+            acct = self.accounts.get((kind, ident))
+            if acct is not None:
+                acct.roll(now, self._spent(column, ident))
+                out.append(acct)
+        return out
 
     def queue_limits(self, principal: Principal) -> list[tuple[str, int]]:
         """(``key`` | ``tenant``, max_queued) of the caller's accounts that set one."""
