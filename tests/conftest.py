@@ -117,3 +117,42 @@ def serve_tiny(tiny_model_dir):
     yield start
     for s in started:
         s.stop()
+
+
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real redis-server on loopback: the one `.ci/run` starts (SITS_TEST_REDIS_URL), else our own."""
+    if os.environ.get("SITS_TEST_REDIS_URL"):
+        yield os.environ["SITS_TEST_REDIS_URL"]
+        return
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed (`.ci/run` installs Debian's redis-server)")
+    port = _free_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path_factory.mktemp("redis"))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = _time.monotonic() + 20
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as c:
+                c.sendall(b"PING\r\n")
+                if c.recv(16).startswith(b"+PONG"):
+                    break
+        except OSError:
+            pass
+        assert _time.monotonic() < deadline, "redis-server did not start"
+        _time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(10)

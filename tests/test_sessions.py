@@ -4,10 +4,6 @@ X-Session-ID through both HTTP dialects with the official openai client."""
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import socket
-import subprocess
 import time
 
 import httpx
@@ -16,41 +12,6 @@ import pytest
 
 from sits.api.context import ServerSettings
 from sits.memory.sessions import RedisSessionStore, SqliteSessionStore, open_session_store, with_history
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    """A real redis-server on loopback: the one `.ci/run` starts (SITS_TEST_REDIS_URL), else our own."""
-    if os.environ.get("SITS_TEST_REDIS_URL"):
-        yield os.environ["SITS_TEST_REDIS_URL"]
-        return
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not installed (`.ci/run` installs Debian's redis-server)")
-    port = _free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path_factory.mktemp("redis"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as c:
-                c.sendall(b"PING\r\n")
-                if c.recv(16).startswith(b"+PONG"):
-                    break
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "redis-server did not start"
-        time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(10)
 
 
 @pytest.fixture(params=["sqlite", "redis"])

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from sits.api.context import ServerSettings
+from test_gateway import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -23,15 +24,18 @@ def server(serve_tiny, tmp_path_factory):
                       engine_mode="thread")
 
 
+_ADMIN_KEYS: dict[str, str] = {}
+
+
 def _admin(url: str) -> str:
-    """The first admin key: created while the server has no keys (the bootstrap), then required."""
-    if not hasattr(_admin, "key"):
+    """The first admin key of a server: created while it has no keys (the bootstrap), then required."""
+    if url not in _ADMIN_KEYS:
         r = httpx.post(f"{url}/v1/tenants", json={"name": "ops"})
         assert r.status_code == 201, r.text
         r = httpx.post(f"{url}/v1/tenants/ops/keys", json={"name": "root", "role": "admin"})
         assert r.status_code == 201, r.text
-        _admin.key = r.json()["key"]
-    return _admin.key
+        _ADMIN_KEYS[url] = r.json()["key"]
+    return _ADMIN_KEYS[url]
 
 
 def _h(key: str) -> dict:
@@ -162,20 +166,29 @@ def test_a_budget_is_never_overspent_under_concurrency_and_disconnects(server):
     url = server.url
     budget = 300
     key = _tenant(url, "racer", budgets=[{"period": "day", "tokens": budget}])
+    spent = _race([url], key, budget, "racer", _admin(url))
+    err = _error(_complete(url, key, max_tokens=min(budget - spent + 1, 240)), 429, "budget_exceeded")
+    assert "day budget" in err["message"]
+
+
+def _race(urls: list[str], key: str, budget: int, tenant: str, admin: str, n: int = 40, before: int = 0) -> int:
+    """``n`` concurrent requests of random lengths spread over ``urls``, a third of them streams the
+    client may drop (``before``: requests the tenant made earlier): returns the settled spend, checked against the budget, the usage rows and the
+    tenant's view (nothing left reserved or in flight) on every server."""
     rng = random.Random(7)
 
     async def one(client: openai.AsyncOpenAI, i: int) -> str:
-        n = rng.randint(1, 24)
+        m = rng.randint(1, 24)
         try:
             if i % 3 == 0:
                 stream = await client.completions.create(model="tiny", prompt="count " * rng.randint(1, 8),
-                                                         max_tokens=n, temperature=0, stream=True)
+                                                         max_tokens=m, temperature=0, stream=True)
                 async for _ in stream:
                     if rng.random() < 0.5:
                         await stream.close()     # a client that goes away mid-stream
                         return "dropped"
                 return "ok"
-            await client.completions.create(model="tiny", prompt="word " * rng.randint(1, 8), max_tokens=n,
+            await client.completions.create(model="tiny", prompt="word " * rng.randint(1, 8), max_tokens=m,
                                             temperature=0)
             return "ok"
         except openai.RateLimitError as e:
@@ -183,25 +196,27 @@ def test_a_budget_is_never_overspent_under_concurrency_and_disconnects(server):
             return "429"
 
     async def run() -> list[str]:
-        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60) as client:
-            return await asyncio.gather(*(one(client, i) for i in range(40)))
+        clients = [openai.AsyncOpenAI(base_url=f"{u}/v1", api_key=key, max_retries=0, timeout=60) for u in urls]
+        try:
+            return await asyncio.gather(*(one(clients[i % len(clients)], i) for i in range(n)))
+        finally:
+            for c in clients:
+                await c.close()
 
     outcomes = asyncio.run(run())
     assert "429" in outcomes and "ok" in outcomes
-    tenancy = server.app.state.sits.tenancy
-    # every reservation released (streams the client dropped included) once the server has seen them end
-    acct = tenancy.accounts[("tenant", "racer")]
-    deadline = time.monotonic() + 30
-    while acct.active and time.monotonic() < deadline:
-        time.sleep(0.05)
-    state = acct.budgets[0]
-    assert acct.active == 0 and acct.queued == 0 and state.reserved_tokens == 0
-    spent = sum(r.tokens for r in tenancy.store.usage(tenant="racer"))
-    assert spent == state.settled_tokens <= budget
-    view = httpx.get(f"{url}/v1/tenants/racer", headers=_h(_admin(url))).json()["budgets"][0]
-    assert view["tokens_spent"] == spent and view["tokens_remaining"] == budget - spent
-    err = _error(_complete(url, key, max_tokens=min(budget - spent + 1, 240)), 429, "budget_exceeded")
-    assert "day budget" in err["message"]
+    # every reservation released (streams the client dropped included) once the servers have seen them end
+    for url in urls:
+        view = wait_for(lambda: (v := httpx.get(f"{url}/v1/tenants/{tenant}", headers=_h(admin)).json())["active"] == 0
+                        and v["queued"] == 0 and v["budgets"][0]["tokens_reserved"] == 0 and v, timeout=30,
+                        what="every reservation to be settled")
+        spent = view["budgets"][0]["tokens_spent"]
+        assert spent <= budget and view["budgets"][0]["tokens_remaining"] == budget - spent
+    rows = wait_for(lambda: (r := httpx.get(f"{urls[0]}/v1/usage", params={"tenant": tenant, "group_by": "tenant"},
+                                            headers=_h(admin)).json()["data"]) and r[0]["total_tokens"] == spent and r,
+                    timeout=30, what="the usage rows of every request")
+    assert rows[0]["requests"] == before + sum(o != "429" for o in outcomes)
+    return spent
 
 
 def _finished(url: str, rid: str, key: str) -> dict:
@@ -297,7 +312,7 @@ def test_flops_and_kv_block_seconds_match_a_hand_calculation(server, tiny_model_
         flops += 2 * layer_params + 4 * L * heads * hd * (pos + 1)
     flops += 2 * h * vocab * c                        # the prompt's last position and each decode step
     assert usage["sits"]["flops"] == flops
-    row = server.app.state.sits.tenancy.store.usage(tenant="handcalc")[0]
+    row = asyncio.run(server.app.state.sits.tenancy.store.usage(tenant="handcalc"))[0]
     assert row.flops == flops and row.prompt_tokens == 20 and row.completion_tokens == 7
 
 
@@ -362,7 +377,7 @@ def test_embeddings_count_against_a_tenants_limits_and_usage(server):
     assert int(r.headers["x-ratelimit-remaining-tokens"]) <= 11
     _error(httpx.post(f"{url}/v1/embeddings", headers=_h(key), json={"model": "tiny", "input": [list(range(5, 25))]}),
            429, "rate_limit_exceeded")
-    rows = server.app.state.sits.tenancy.store.usage(tenant="embedder")
+    rows = asyncio.run(server.app.state.sits.tenancy.store.usage(tenant="embedder"))
     assert [(r.prompt_tokens, r.completion_tokens, r.outcome) for r in rows] == [(20, 0, "finished")]
     assert rows[0].flops > 0
 
@@ -399,3 +414,113 @@ def test_max_queued_bounds_a_tenants_unfinished_async_requests(server):
         httpx.delete(f"{url}/v1/requests/{r.json()['id']}", headers=_h(key))
         assert _finished(url, r.json()["id"], key)["state"] in ("RESOLVED", "REJECTED")
     assert httpx.post(f"{url}/v1/requests", headers=_h(key), json=body).status_code == 202
+
+
+# -- several gateways sharing their tenants through one Redis ------------------------------------------
+@pytest.fixture(scope="module")
+def shared_pair(serve_tiny, redis_url, tmp_path_factory):
+    """Two servers, each with its own data directory, whose tenants live in one real Redis."""
+    import redis
+    url = redis_url.rsplit("/", 1)[0] + "/6"          # a database of its own: the sessions' tests use 0
+    redis.Redis.from_url(url).flushdb()
+    return [serve_tiny(ServerSettings(drain_grace_s=0.5, data_dir=str(tmp_path_factory.mktemp(f"gw{i}")),
+                                      tenant_store=url), engine_mode="thread") for i in range(2)], url
+
+
+def test_gateways_sharing_redis_share_keys_and_revocation(shared_pair):
+    (a, b), _ = shared_pair
+    admin = _admin(a.url)
+    _ADMIN_KEYS[b.url] = admin
+    # B hears of A's change (pub/sub): the admin key made on A opens B's admin API, and B needs a key now
+    wait_for(lambda: httpx.get(f"{b.url}/v1/tenants", headers=_h(admin)).status_code == 200, timeout=30,
+             what="B to hear of the key created on A")
+    _error(httpx.post(f"{b.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}), 401,
+           "invalid_api_key")
+    key = _tenant(b.url, "roamer", limits={"requests_per_min": 100})
+    wait_for(lambda: _complete(a.url, key).status_code == 200, timeout=30, what="A to accept the key made on B")
+    r = _complete(b.url, key)
+    assert r.status_code == 200 and int(r.headers["x-ratelimit-remaining-requests"]) <= 98   # one bucket for both
+    kid = key.split("_")[1]
+    assert httpx.delete(f"{a.url}/v1/keys/{kid}", headers=_h(admin)).status_code == 200
+    # refused on B at once: its admission is checked against the shared set of live keys
+    _error(_complete(b.url, key), 401, "invalid_api_key")
+    rows = httpx.get(f"{a.url}/v1/usage", params={"tenant": "roamer", "group_by": "tenant"}, headers=_h(admin))
+    assert rows.json()["data"][0]["requests"] == 2      # the rows of both servers, read from either
+
+
+def test_a_budget_shared_by_two_gateways_is_never_overspent(shared_pair):
+    (a, b), _ = shared_pair
+    admin = _admin(a.url)
+    _ADMIN_KEYS.setdefault(b.url, admin)
+    budget = 300
+    key = _tenant(a.url, "duo", budgets=[{"period": "day", "tokens": budget}])
+    wait_for(lambda: _complete(b.url, key, max_tokens=1).status_code == 200, timeout=30, what="B to know the key")
+    spent = _race([a.url, b.url], key, budget, "duo", admin, n=48, before=1)     # the probe counts too
+    _error(_complete(b.url, key, max_tokens=min(budget - spent + 1, 240)), 429, "budget_exceeded")
+
+
+def test_a_dead_gateways_reservations_are_released(shared_pair):
+    from redis.asyncio import Redis
+
+    from sits.tenancy.redis_ledger import RedisLedger
+    from sits.tenancy.spec import LimitsSpec
+    (a, b), url = shared_pair
+    admin = _admin(a.url)
+    key = _tenant(a.url, "solo", limits={"max_concurrent": 1})
+    wait_for(lambda: _complete(b.url, key).status_code == 200, timeout=30, what="B to know the key")
+    kid = key.split("_")[1]
+    prefix = "sits:{tenancy}:"
+
+    async def die_holding_a_request() -> None:
+        client = Redis.from_url(url, decode_responses=True)
+        doomed = RedisLedger(client, prefix)              # a third gateway, admitting one request...
+        await doomed.start()
+        doomed.configure(("key", kid), LimitsSpec(), [])
+        doomed.configure(("tenant", "solo"), LimitsSpec(max_concurrent=1), [])
+        await doomed.admit([("key", kid), ("tenant", "solo")], 10, 0.0)
+        doomed._maintainer.cancel()                       # ...then dies: its heartbeat stops
+        await client.delete(f"{prefix}gw:{doomed.gateway_id}")
+        await client.aclose()
+
+    asyncio.run(die_holding_a_request())
+    _error(_complete(a.url, key), 429, "concurrency_limit_exceeded")
+
+    async def reap() -> int:
+        client = Redis.from_url(url, decode_responses=True)
+        try:
+            return await RedisLedger(client, prefix).reap()
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(reap()) == 1                       # what any gateway's upkeep does every few seconds
+    assert _complete(b.url, key).status_code == 200
+    assert httpx.get(f"{a.url}/v1/tenants/solo", headers=_h(admin)).json()["active"] == 0
+
+
+def test_an_unreachable_shared_store_refuses_with_a_typed_503():
+    from redis.asyncio import Redis
+
+    from sits.tenancy.redis_ledger import RedisLedger, TenancyUnavailableError
+    from sits.tenancy.spec import LimitsSpec
+
+    async def admit() -> None:
+        client = Redis.from_url("redis://127.0.0.1:1/0", decode_responses=True, socket_connect_timeout=1)
+        ledger = RedisLedger(client, "sits:{tenancy}:")
+        ledger.configure(("tenant", "t"), LimitsSpec(), [])
+        try:
+            await ledger.admit([("key", "k"), ("tenant", "t")], 10, 0.0)
+        finally:
+            await client.aclose()
+
+    with pytest.raises(TenancyUnavailableError) as info:
+        asyncio.run(admit())
+    assert info.value.http_status == 503 and info.value.code == "tenancy_unavailable"
+
+
+def test_tenancy_bench_runs_against_a_real_redis(redis_url, tmp_path):
+    from sits.bench.tenancy_bench import run_tenancy_bench
+    url = redis_url.rsplit("/", 1)[0] + "/7"
+    r = run_tenancy_bench(rounds=1, n=50, url=url, docs_out=str(tmp_path / "b.md"))
+    assert set(r["admissions_per_s"]) == {"local", "redis", "redis, 2 gateways"}
+    assert all(v > 0 for v in r["admissions_per_s"].values()) and r["latency"]["redis"]["p50_us"] > 0
+    assert "sits bench tenancy" in (tmp_path / "b.md").read_text() and (tmp_path / "img" / "tenancy_bench.png").exists()

@@ -82,7 +82,8 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
                         tools=ToolRegistry(list(settings.tool_dirs)), tool_runner=ToolRunner(),
                         memory=memory if memory is not None or settings.data_dir is None
                         else open_memory_store(settings.data_dir))
-    ctx.tenancy = tenancy if tenancy is not None or settings.data_dir is None else Tenancy.open(settings.data_dir)
+    ctx.tenancy = tenancy if tenancy is not None or (settings.data_dir is None and settings.tenant_store is None) \
+        else Tenancy.open(settings.data_dir, settings.tenant_store)
     if ctx.tenancy is not None:
         metrics.registry.register(TenantCollector(ctx.tenancy))
     ctx.store = RequestStore(retention_s=settings.request_retention_s, max_finished=settings.max_retained_requests,
@@ -95,6 +96,8 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
                                                backoff_s=settings.webhook_backoff_s,
                                                timeout_s=settings.webhook_timeout_s,
                                                allow_private=settings.allow_private_callbacks)
+        if ctx.tenancy is not None:     # before the first request: keys must be known before any call is let in
+            await ctx.tenancy.start()
         tasks = [asyncio.create_task(hook(app)) for hook in on_startup or []]
         try:
             yield
@@ -114,7 +117,7 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
             if ctx.memory is not None and memory is None:
                 ctx.memory.close()
             if ctx.tenancy is not None and tenancy is None:
-                ctx.tenancy.close()
+                await ctx.tenancy.aclose()
 
     app = SitsApp(title="SITS", version=__version__, lifespan=lifespan,
                   description="A serverless runtime for LLM inference: the OpenAI dialect and the SITS "

@@ -38,6 +38,7 @@ class ServerSettings:
     otel_metrics: str | None = None         # none | otlp | console | memory; None: from the OTEL_* env
     data_dir: str | None = None             # where embedded state lives (sessions.db); None: no sessions by default
     session_store: str | None = None        # redis://..., sqlite:///path, none; None: SQLite in data_dir
+    tenant_store: str | None = None         # redis://... (gateways sharing tenants); None: SQLite in data_dir
     tool_dirs: tuple[str, ...] = ()         # directories of extra tool contracts (*.yaml) beside the built-ins
     drain_grace_s: float = 10.0             # on shutdown, in-flight streams get this long to finish
     hot_path: bool = True                   # generation endpoints skip FastAPI's router (sits.api.hot_path)

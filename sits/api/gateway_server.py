@@ -104,7 +104,7 @@ def up(config_units: list[UnitSpec], settings: ServerSettings, *, data_dir: str,
     url_opt = "" if (host, port) == ("127.0.0.1", 8000) else f" --url {base}"    # the CLI's default
 
     async def main() -> None:
-        gateway = Gateway(data_dir, tick_s=tick_s, prefetch=prefetch)
+        gateway = Gateway(data_dir, tick_s=tick_s, prefetch=prefetch, tenant_store=settings.tenant_store)
         app = build_gateway_app(gateway, config_units, settings)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                                 access_log=False)

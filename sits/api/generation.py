@@ -175,6 +175,8 @@ class Generation:
         if self._started:
             raise RuntimeError("Generation.events() can be consumed once")
         self._started = True
+        if self.meter is not None:
+            await self.meter.admit()        # a 429 here: nothing reserved, nothing to settle
         try:
             if len(self.seqs) == 1:
                 async for item in self._one(0):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import time
-import weakref
 from dataclasses import dataclass, field
 
 from sits.api.backend import Backend
@@ -60,15 +59,20 @@ class GenerationMeter:
         completion = sum(s.params.max_tokens for s in seqs)
         flops = 0 if self.shape is None else sum(
             self.shape.flops(len(s.prompt_token_ids), 0, s.params.max_tokens) for s in seqs)
-        tokens = prompt + completion
-        cost = self.pricing.cost(prompt, 0, completion, flops)
-        self.admission: Admission = account.tenancy.admit(account.principal, backend.name, tokens, cost)
+        self.tokens = prompt + completion
+        self.cost = self.pricing.cost(prompt, 0, completion, flops)
+        self.admission: Admission | None = None
+
+    async def admit(self) -> None:
+        """Reserve the worst case, or raise the 429 of the limit or budget that refuses it. Done when
+        the generation's events are first read, so a refusal is still the response's status."""
+        account = self.account
+        self.admission = await account.tenancy.admit(account.principal, self.backend.name, self.tokens, self.cost)
         account.headers.update(self.admission.headers)
-        # never consumed (an error between admission and the stream): the reservation goes back
-        self._release = weakref.finalize(self, account.tenancy.release, self.admission)
 
     def first_token(self) -> None:
-        self.admission.first_token()
+        if self.admission is not None:
+            self.admission.first_token()
 
     def usage(self, uses: list[SequenceUse], num_prompts: int) -> dict:
         """Tokens, FLOPs, KV block-seconds and cost so far (the ``usage`` extension ``sits``)."""
@@ -94,7 +98,8 @@ class GenerationMeter:
     def settle(self, uses: list[SequenceUse], num_prompts: int, outcome: str) -> dict:
         u = self.usage(uses, num_prompts)
         p = self.account.principal
-        self._release.detach()
+        if self.admission is None:      # refused: nothing reserved, nothing ran
+            return u
         self.account.tenancy.settle(self.admission, UsageRecord(
             at=time.time(), request_id=self.request_id, tenant=p.tenant, key_id=p.key_id, unit=self.backend.name,
             outcome=outcome, prompt_tokens=u["prompt_tokens"], cached_tokens=u["cached_tokens"],
@@ -104,8 +109,8 @@ class GenerationMeter:
         return u
 
 
-@contextlib.contextmanager
-def metered_prompts(unit: str, request_id: str, lengths: list[int], pricing=None, shape=None):
+@contextlib.asynccontextmanager
+async def metered_prompts(unit: str, request_id: str, lengths: list[int], pricing=None, shape=None):
     """Admission and settlement of a request that only reads prompts (embeddings): its tokens
     are reserved on a tenant's limits and budgets, and recorded, like a generation's prompt."""
     account = current_account.get()
@@ -116,7 +121,7 @@ def metered_prompts(unit: str, request_id: str, lengths: list[int], pricing=None
     tokens = sum(lengths)
     flops = 0 if shape is None else sum(shape.flops(n, 0, 0, lm_head=False) for n in lengths)
     cost = pricing.cost(tokens, 0, 0, flops)
-    admission = account.tenancy.admit(account.principal, unit, tokens, cost)
+    admission = await account.tenancy.admit(account.principal, unit, tokens, cost)
     account.headers.update(admission.headers)
     admission.first_token()
     outcome = "failed"

@@ -43,17 +43,17 @@ def tenancy_of(request: Request) -> Tenancy:
     return t   # type: ignore[return-value]
 
 
-def _tenant_view(t: Tenancy, name: str) -> dict[str, Any]:
+async def _tenant_view(t: Tenancy, name: str) -> dict[str, Any]:
     spec = t.tenant(name)
     return {"object": "tenant", "name": name, "created_at": t.created.get(name), "weight": spec.weight,
-            **(t.account_view("tenant", name) or {}),
+            **(await t.account_view("tenant", name) or {}),
             "keys": sum(1 for k in t.keys.values() if k.tenant == name and k.revoked_at is None)}
 
 
-def _key_view(t: Tenancy, kid: str) -> dict[str, Any]:
+async def _key_view(t: Tenancy, kid: str) -> dict[str, Any]:
     rec = t.key(kid)
     view = rec.view()
-    if (acct := t.account_view("key", kid)) is not None:
+    if (acct := await t.account_view("key", kid)) is not None:
         view |= {k: v for k, v in acct.items() if k != "limits"}
     return view
 
@@ -61,65 +61,65 @@ def _key_view(t: Tenancy, kid: str) -> dict[str, Any]:
 @admin.post("/v1/tenants", status_code=201)
 async def create_tenant(body: TenantSpec, request: Request) -> JSONResponse:
     t = tenancy_of(request)
-    t.create_tenant(body)
-    return JSONResponse(_tenant_view(t, body.name), status_code=201)
+    await t.create_tenant(body)
+    return JSONResponse(await _tenant_view(t, body.name), status_code=201)
 
 
 @admin.get("/v1/tenants")
 async def list_tenants(request: Request) -> dict[str, Any]:
     t = tenancy_of(request)
-    return {"object": "list", "data": [_tenant_view(t, n) for n in sorted(t.tenants)]}
+    return {"object": "list", "data": [await _tenant_view(t, n) for n in sorted(t.tenants)]}
 
 
 @admin.get("/v1/tenants/{name}")
 async def get_tenant(name: str, request: Request) -> dict[str, Any]:
-    return _tenant_view(tenancy_of(request), name)
+    return await _tenant_view(tenancy_of(request), name)
 
 
 @admin.patch("/v1/tenants/{name}")
 async def update_tenant(name: str, body: TenantUpdate, request: Request) -> dict[str, Any]:
     t = tenancy_of(request)
-    t.update_tenant(name, body)
-    return _tenant_view(t, name)
+    await t.update_tenant(name, body)
+    return await _tenant_view(t, name)
 
 
 @admin.delete("/v1/tenants/{name}")
 async def delete_tenant(name: str, request: Request) -> dict[str, Any]:
-    tenancy_of(request).delete_tenant(name)
+    await tenancy_of(request).delete_tenant(name)
     return {"name": name, "deleted": True}
 
 
 @admin.post("/v1/tenants/{name}/keys", status_code=201)
 async def create_key(name: str, body: KeySpec, request: Request) -> JSONResponse:
     t = tenancy_of(request)
-    rec, key = t.create_key(name, body)
-    return JSONResponse({**_key_view(t, rec.id), "key": key}, status_code=201)
+    rec, key = await t.create_key(name, body)
+    return JSONResponse({**await _key_view(t, rec.id), "key": key}, status_code=201)
 
 
 @admin.get("/v1/keys")
 async def list_keys(request: Request, tenant: str | None = None,
                     revoked: bool = Query(False, description="include revoked keys")) -> dict[str, Any]:
     t = tenancy_of(request)
-    return {"object": "list", "data": [_key_view(t, k.id) for k in t.keys.values()
+    return {"object": "list", "data": [await _key_view(t, k.id) for k in list(t.keys.values())
                                        if (tenant is None or k.tenant == tenant) and (revoked or k.revoked_at is None)]}
 
 
 @admin.get("/v1/keys/{kid}")
 async def get_key(kid: str, request: Request) -> dict[str, Any]:
-    return _key_view(tenancy_of(request), kid)
+    return await _key_view(tenancy_of(request), kid)
 
 
 @admin.post("/v1/keys/{kid}/rotate")
 async def rotate_key(kid: str, request: Request) -> dict[str, Any]:
     t = tenancy_of(request)
-    rec, key = t.rotate_key(kid)
-    return {**_key_view(t, rec.id), "key": key}
+    rec, key = await t.rotate_key(kid)
+    return {**await _key_view(t, rec.id), "key": key}
 
 
 @admin.delete("/v1/keys/{kid}")
 async def revoke_key(kid: str, request: Request) -> dict[str, Any]:
     t = tenancy_of(request)
-    return t.revoke_key(kid).view()
+    return (await t.revoke_key(kid)).view()
 
 
 _SUMS = ("prompt_tokens", "cached_tokens", "completion_tokens", "flops", "kv_block_seconds", "gb_hours", "cold_starts",
@@ -164,7 +164,7 @@ async def usage(request: Request, tenant: str | None = None, key_id: str | None 
     if bad:
         raise InvalidRequestError(f"group_by: {', '.join(bad)} is not one of tenant, key_id, unit, request_id",
                                   param="group_by", code="invalid_parameter")
-    rows = aggregate(t.store.usage(tenant=tenant, key_id=key_id, unit=unit, start=start, end=end), groups)
+    rows = aggregate(await t.store.usage(tenant=tenant, key_id=key_id, unit=unit, start=start, end=end), groups)
     if format == "csv":
         buf = io.StringIO()
         fields = [*groups, "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens", "flops",

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 
 from sits.bench import (coldstart_bench, dtype_bench, engine_bench, fairness_bench, guided_bench, prefetch_bench,
-                        sampler_bench, serve_bench, tracing_bench, wire_bench)
+                        sampler_bench, serve_bench, tenancy_bench, tracing_bench, wire_bench)
 
 BENCHMARKS = (engine_bench, dtype_bench, coldstart_bench, tracing_bench, guided_bench, prefetch_bench, sampler_bench,
-              serve_bench, wire_bench, fairness_bench)
+              serve_bench, wire_bench, fairness_bench, tenancy_bench)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

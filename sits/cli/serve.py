@@ -53,6 +53,9 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-store", default=None,
                    help="where X-Session-ID conversations live: redis://host:port/db, sqlite:///path, or none "
                         "(default: SQLite in --data-dir)")
+    p.add_argument("--tenant-store", default=None,
+                   help="where tenants, keys, usage and the budgets' running state live: redis://host:port/db "
+                        "lets several gateways share them (default: SQLite in --data-dir, one gateway)")
     p.add_argument("--trace-exporter", default=None, choices=["none", "console", "otlp", "memory"],
                    help="OpenTelemetry spans (default: otlp when OTEL_EXPORTER_OTLP_ENDPOINT is set, else none; "
                         "memory keeps recent traces for GET /admin/traces)")
@@ -135,7 +138,7 @@ def _server_settings(args: argparse.Namespace):
                                                               if os.environ.get("SITS_ADMIN_KEY") else [])),
                           allow_private_callbacks=args.allow_private_callbacks,
                           trace_exporter=args.trace_exporter, otel_metrics=args.otel_metrics,
-                          session_store=args.session_store, data_dir=args.data_dir,
+                          session_store=args.session_store, tenant_store=args.tenant_store, data_dir=args.data_dir,
                           tool_dirs=tuple(args.tools_dir), hot_path=not args.no_hot_path)
 
 

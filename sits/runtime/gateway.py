@@ -76,11 +76,12 @@ class _UnitEmbedder:
 
 class Gateway:
     def __init__(self, data_dir: str | Path, *, tick_s: float = 1.0, zygote: bool = True,
-                 prefetch: bool = True, prefetch_threshold: float = 0.85):
+                 prefetch: bool = True, prefetch_threshold: float = 0.85, tenant_store: str | None = None):
         self.data_dir = Path(data_dir)
         # vector memory of the data directory (RAG units ingest into it; the HTTP layer serves it)
         self.memory = open_memory_store(self.data_dir)
-        self.tenancy: Tenancy | None = Tenancy.open(self.data_dir)     # tenants, keys, usage (the app serves them)
+        # tenants, keys, usage (the app serves them and starts it); redis://... when gateways share them
+        self.tenancy: Tenancy | None = Tenancy.open(self.data_dir, tenant_store)
         self.use_zygote = zygote
         self.prefetcher = Prefetcher(threshold=prefetch_threshold if prefetch else float("inf"))
         self.zygote: ZygoteClient | None = None
@@ -236,7 +237,7 @@ class Gateway:
         self.store.close()
         self.memory.close()
         if self.tenancy is not None:
-            self.tenancy.close()
+            await self.tenancy.aclose()
 
     def status(self) -> dict:
         return {"units": [b.view() for b in self.units.values()], "events": list(self.events)[-50:]}

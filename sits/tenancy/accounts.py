@@ -166,36 +166,20 @@ class Account:
         who = f"{self.kind} {self.id!r}"
         lim = self.limits
         if lim.max_concurrent is not None and self.active >= lim.max_concurrent:
-            return _limited(f"{who} has {self.active} requests in flight (max_concurrent {lim.max_concurrent})",
-                            "concurrency_limit_exceeded", 1)
+            return concurrency_refusal(who, self.active, lim.max_concurrent)
         if lim.max_queued is not None and self.queued >= lim.max_queued:
-            return _limited(f"{who} has {self.queued} requests waiting for their first token "
-                            f"(max_queued {lim.max_queued})", "queue_limit_exceeded", 1)
+            return queue_refusal(who, self.queued, lim.max_queued)
         if self.rpm is not None:
             wait = self.rpm.wait_s(1, now)
             if wait:
-                return _limited(f"{who}: requests per minute limit {lim.requests_per_min} reached",
-                                "rate_limit_exceeded", wait)
+                return rpm_refusal(who, lim.requests_per_min, wait)
         if self.tpm is not None:
             wait = self.tpm.wait_s(tokens, now)
-            if wait is None:
-                return _limited(f"request too large for {who}: it may use {tokens} tokens (prompt + max_tokens) and "
-                                f"the limit is {lim.tokens_per_min} tokens per minute; lower max_tokens",
-                                "rate_limit_exceeded", None)
-            if wait:
-                return _limited(f"{who}: tokens per minute limit {lim.tokens_per_min} reached (this request may "
-                                f"use {tokens})", "rate_limit_exceeded", wait)
+            if wait is None or wait:
+                return tpm_refusal(who, lim.tokens_per_min, tokens, wait)
         for b in self.budgets:
             if not b.fits(tokens, cost):
-                v = b.view()
-                left = ", ".join(f"{m} remaining {v[m + '_remaining']}" for m in ("tokens", "cost") if m + "_remaining" in v)
-                end = v["period_end"]
-                err = BudgetExceededError(
-                    f"{who}: the {b.spec.period} budget cannot cover this request (worst case {tokens} tokens, "
-                    f"cost {cost:.6g}; {left}); lower max_tokens, or wait for the next period")
-                if end is not None:
-                    err.retry_after_s = max(1, math.ceil(end - now))
-                return err
+                return budget_refusal(who, b.view(), tokens, cost, now)
         return None
 
     def reserve(self, tokens: int, cost: float) -> None:
@@ -228,13 +212,8 @@ class Account:
 
     def rate_headers(self, now: float) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*`` headers for the limits this account has."""
-        h: dict[str, str] = {}
-        for name, bucket in (("requests", self.rpm), ("tokens", self.tpm)):
-            if bucket is not None:
-                h[f"x-ratelimit-limit-{name}"] = str(int(bucket.capacity))
-                h[f"x-ratelimit-remaining-{name}"] = str(bucket.remaining(now))
-                h[f"x-ratelimit-reset-{name}"] = _duration(bucket.reset_s(now))
-        return h
+        return rate_headers(*((b.capacity, b.remaining(now), b.reset_s(now)) if b is not None else None
+                              for b in (self.rpm, self.tpm)))
 
     def view(self, now: float) -> dict:
         return {"limits": self.limits.model_dump(exclude_none=True), "active": self.active, "queued": self.queued,
@@ -254,6 +233,56 @@ def _limited(message: str, code: str, retry_s: float | None) -> RateLimitedError
     if retry_s is not None:
         err.retry_after_s = max(1, math.ceil(retry_s))
     return err
+
+
+# The refusals, one wording whichever ledger (in-process or Redis) found them.
+def concurrency_refusal(who: str, active: int, limit: int) -> RateLimitedError:
+    return _limited(f"{who} has {active} requests in flight (max_concurrent {limit})", "concurrency_limit_exceeded", 1)
+
+
+def queue_refusal(who: str, queued: int, limit: int) -> RateLimitedError:
+    return _limited(f"{who} has {queued} requests waiting for their first token (max_queued {limit})",
+                    "queue_limit_exceeded", 1)
+
+
+def rpm_refusal(who: str, limit: int | None, wait_s: float) -> RateLimitedError:
+    return _limited(f"{who}: requests per minute limit {limit} reached", "rate_limit_exceeded", wait_s)
+
+
+def tpm_refusal(who: str, limit: int | None, tokens: int, wait_s: float | None) -> RateLimitedError:
+    """``wait_s`` None: the request is larger than the bucket itself and will never fit."""
+    if wait_s is None:
+        return _limited(f"request too large for {who}: it may use {tokens} tokens (prompt + max_tokens) and the "
+                        f"limit is {limit} tokens per minute; lower max_tokens", "rate_limit_exceeded", None)
+    return _limited(f"{who}: tokens per minute limit {limit} reached (this request may use {tokens})",
+                    "rate_limit_exceeded", wait_s)
+
+
+def budget_refusal(who: str, view: dict, tokens: int, cost: float, now: float) -> BudgetExceededError:
+    """``view``: the budget's ``BudgetState.view()`` (its period, what is left)."""
+    left = ", ".join(f"{m} remaining {view[m + '_remaining']}" for m in ("tokens", "cost") if m + "_remaining" in view)
+    err = BudgetExceededError(f"{who}: the {view['period']} budget cannot cover this request (worst case {tokens} "
+                              f"tokens, cost {cost:.6g}; {left}); lower max_tokens, or wait for the next period")
+    if view["period_end"] is not None:
+        err.retry_after_s = max(1, math.ceil(view["period_end"] - now))
+    return err
+
+
+def budget_view(spec: BudgetSpec, start: float, settled_tokens: int, settled_cost: float, reserved_tokens: int,
+                reserved_cost: float) -> dict:
+    return BudgetState(spec, start, settled_tokens, settled_cost, reserved_tokens, reserved_cost).view()
+
+
+def rate_headers(requests: tuple[float, int, float] | None, tokens: tuple[float, int, float] | None) -> dict[str, str]:
+    """OpenAI's ``x-ratelimit-*`` headers from (capacity, remaining, seconds to full) of each bucket."""
+    h: dict[str, str] = {}
+    for name, bucket in (("requests", requests), ("tokens", tokens)):
+        if bucket is not None:
+            capacity, remaining, reset_s = bucket
+            h[f"x-ratelimit-limit-{name}"] = str(int(capacity))
+            h[f"x-ratelimit-remaining-{name}"] = str(max(int(remaining), 0))
+            h[f"x-ratelimit-reset-{name}"] = _duration(reset_s)
+    return h
 
 
 def _duration(s: float) -> str:

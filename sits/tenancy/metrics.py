@@ -1,4 +1,6 @@
-"""Per-tenant Prometheus series, read from ``Tenancy`` at scrape time (nothing is counted twice).
+"""Per-tenant Prometheus series, read from ``Tenancy`` at scrape time (nothing is counted twice):
+usage totals are this gateway's; budgets and requests in flight are the ledger's (with a shared
+ledger, as of its last refresh).
 The unlabelled tenant ``""`` is the operator's and an open server's own traffic."""
 
 from __future__ import annotations
@@ -47,13 +49,12 @@ class TenantCollector(Collector):
             cost.add_metric([tenant, unit], money)
         for (tenant, code), n in list(t.rejections.items()):
             refused.add_metric([tenant, code], n)
-        for (kind, ident), acct in list(t.accounts.items()):
+        for (kind, ident), in_flight, budgets in t.ledger.snapshot():
             if kind != "tenant":
                 continue
-            active.add_metric([ident], acct.active)
-            for b in acct.budgets:
-                v = b.view()
+            active.add_metric([ident], in_flight)
+            for v in budgets:
                 for measure in ("tokens", "cost"):
                     if f"{measure}_remaining" in v:
-                        remaining.add_metric([ident, b.spec.period, measure], v[f"{measure}_remaining"])
+                        remaining.add_metric([ident, v["period"], measure], v[f"{measure}_remaining"])
         yield from (requests, tokens, flops, kv, gbh, colds, cost, refused, remaining, active)

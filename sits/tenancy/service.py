@@ -1,12 +1,14 @@
-"""``Tenancy``: tenants and keys in memory over their SQLite store, authentication, admission and
+"""``Tenancy``: tenants and keys copied in memory from their store, authentication, admission and
 settlement, and the usage totals the metrics read.
 
-Everything runs on the gateway's event loop (the store is written synchronously: a usage row is one
-small insert in WAL mode). One gateway is the authority for its tenants' limits and budgets.
+Everything runs on the gateway's event loop. With the SQLite store one gateway is the authority for
+its tenants' limits and budgets (``LocalLedger``); with Redis every gateway sharing it admits against
+the same accounts (``RedisLedger``), and hears of each other's directory changes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sqlite3
 import time
@@ -15,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sits.engine.errors import SitsError
-from sits.tenancy.accounts import Account
+from sits.tenancy.accounts import RateLimitedError
+from sits.tenancy.ledger import AccountRef, Ledger, LocalLedger, Reservation
 from sits.tenancy.principal import OPERATOR, Principal
 from sits.tenancy.spec import KeySpec, TenantSpec, TenantUpdate
 from sits.tenancy.store import KeyRecord, TenantStore, UsageRecord, split_key
@@ -44,18 +47,19 @@ class Admission:
 
     principal: Principal
     unit: str
-    accounts: list[Account]
-    tokens: int                      # the reserved worst case
-    cost: float
-    headers: dict[str, str] = field(default_factory=dict)
-    started: bool = False
+    reservation: Reservation | None        # None: the operator's request, held against nothing
+    ledger: Ledger | None = None
     settled: bool = False
 
+    @property
+    def headers(self) -> dict[str, str]:
+        return self.reservation.headers if self.reservation is not None else {}
+
     def first_token(self) -> None:
-        if not self.started and not self.settled:
-            self.started = True
-            for a in self.accounts:
-                a.started()
+        res = self.reservation
+        if res is not None and not res.started and not self.settled:
+            res.started = True
+            self.ledger.first_token(res)
 
 
 @dataclass
@@ -72,36 +76,75 @@ class UsageTotals:
 
 
 class Tenancy:
-    def __init__(self, store: TenantStore, clock=time.time):
-        self.store = store
+    """The directory (tenants, keys) is copied here from the store, so that authenticating a call
+    reads memory; the accounts' running state (in flight, rates, budgets) lives in the ledger."""
+
+    def __init__(self, store, ledger: Ledger, clock=time.time):
+        self.store = store                  # TenantStore (SQLite) | RedisTenantStore
+        self.ledger = ledger                # LocalLedger | RedisLedger
         self.clock = clock
         self.tenants: dict[str, TenantSpec] = {}
         self.created: dict[str, float] = {}
         self.keys: dict[str, KeyRecord] = {}
-        self.accounts: dict[tuple[str, str], Account] = {}
         self.totals: dict[tuple[str, str, str], UsageTotals] = defaultdict(UsageTotals)   # (tenant, unit, outcome)
         self.rejections: dict[tuple[str, str], int] = defaultdict(int)                   # (tenant, code)
-        now = clock()
-        for spec, created in store.tenants():
-            self.tenants[spec.name] = spec
-            self.created[spec.name] = created
-            self.accounts[("tenant", spec.name)] = Account.new("tenant", spec.name, spec.limits, spec.budgets, now,
-                                                               self._spent("tenant", spec.name))
-        for rec in store.keys():
-            self.keys[rec.id] = rec
-            if rec.revoked_at is None:
-                self.accounts[("key", rec.id)] = Account.new("key", rec.id, rec.spec.limits, rec.spec.budgets, now,
-                                                             self._spent("key_id", rec.id))
+        self._started = False
+        self._reloading = asyncio.Lock()
 
     @classmethod
-    def open(cls, data_dir: str | Path) -> "Tenancy":
-        return cls(TenantStore(Path(data_dir) / "tenants.db"))
+    def open(cls, data_dir: str | Path | None, url: str | None = None) -> "Tenancy":
+        """SQLite in ``data_dir`` (one gateway), or the Redis at ``url`` (gateways sharing tenants)."""
+        if url is None:
+            store = TenantStore(Path(data_dir) / "tenants.db")
+            return cls(store, LocalLedger(store.spent))
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"tenant store {url!r}: expected redis://HOST:PORT/DB (or none for SQLite in the data dir)")
+        from sits.tenancy.redis_ledger import RedisLedger
+        from sits.tenancy.redis_store import RedisTenantStore, connect
+        client = connect(url)
+        prefix = "sits:{tenancy}:"
+        return cls(RedisTenantStore(client, prefix), RedisLedger(client, prefix))
 
-    def close(self) -> None:
-        self.store.close()
+    async def start(self) -> None:
+        """Load the directory and start keeping it current (idempotent: the app and a gateway may both ask)."""
+        if self._started:
+            return
+        self._started = True
+        try:
+            await self.reload()
+            await self.ledger.start()
+        except Exception as e:      # a refused connection, a wrong URL, a database that cannot be read
+            raise RuntimeError(f"the tenant store cannot be reached ({type(e).__name__}: {e}); a gateway does not "
+                               f"start without its keys") from e
+        await self.store.watch(self.reload)
 
-    def _spent(self, column: str, ident: str):
-        return lambda budget, since: self.store.spent(column, ident, since)
+    async def aclose(self) -> None:
+        await self.ledger.aclose()
+        await self.store.aclose()
+        redis = getattr(self.store, "redis", None)
+        if redis is not None:
+            await redis.aclose(close_connection_pool=True)
+
+    async def reload(self) -> None:
+        """The directory as the store has it now (a change made by this or another gateway)."""
+        async with self._reloading:
+            tenants, keys = await self.store.tenants(), await self.store.keys()
+        self._install(tenants, keys)
+
+    def _install(self, tenants: list[tuple[TenantSpec, float]], keys: list[KeyRecord]) -> None:
+        live: set[AccountRef] = set()
+        self.tenants = {spec.name: spec for spec, _ in tenants}
+        self.created = {spec.name: created for spec, created in tenants}
+        for spec, _ in tenants:
+            self.ledger.configure(("tenant", spec.name), spec.limits, spec.budgets)
+            live.add(("tenant", spec.name))
+        self.keys = {rec.id: rec for rec in keys}
+        for rec in keys:
+            if rec.revoked_at is None:
+                self.ledger.configure(("key", rec.id), rec.spec.limits, rec.spec.budgets)
+                live.add(("key", rec.id))
+        for ref in self.ledger.refs() - live:
+            self.ledger.drop(ref)
 
     @property
     def active(self) -> bool:
@@ -130,17 +173,14 @@ class Tenancy:
         spec = self.tenants.get(name)
         return spec.weight if spec is not None else 1.0
 
-    def create_tenant(self, spec: TenantSpec) -> TenantSpec:
-        if not self.store.put_tenant(spec, create=True):
+    async def create_tenant(self, spec: TenantSpec) -> TenantSpec:
+        if not await self.store.put_tenant(spec, create=True):
             raise TenantExistsError(f"tenant {spec.name!r} exists; PATCH /v1/tenants/{spec.name} changes it",
                                     param="name")
-        self.tenants[spec.name] = spec
-        self.created[spec.name] = self.clock()
-        self.accounts[("tenant", spec.name)] = Account.new("tenant", spec.name, spec.limits, spec.budgets,
-                                                           self.clock(), self._spent("tenant", spec.name))
+        await self.reload()
         return spec
 
-    def update_tenant(self, name: str, update: TenantUpdate) -> TenantSpec:
+    async def update_tenant(self, name: str, update: TenantUpdate) -> TenantSpec:
         spec = self.tenant(name)
         data = spec.model_dump()
         if update.limits is not None:
@@ -150,27 +190,20 @@ class Tenancy:
         if update.weight is not None:
             data["weight"] = update.weight
         new = TenantSpec.model_validate(data)
-        self.store.put_tenant(new, create=False)
-        self.tenants[name] = new
-        self.accounts[("tenant", name)].configure(new.limits, new.budgets, self.clock(), self._spent("tenant", name))
+        if not await self.store.put_tenant(new, create=False):
+            raise TenantNotFoundError(f"no tenant {name!r}", param="tenant")
+        await self.reload()
         return new
 
-    def delete_tenant(self, name: str) -> None:
+    async def delete_tenant(self, name: str) -> None:
         self.tenant(name)
-        self.store.delete_tenant(name)
-        del self.tenants[name]
-        self.accounts.pop(("tenant", name), None)
-        for rec in self.store.keys():
-            if rec.tenant == name:
-                self.keys[rec.id] = rec
-                self.accounts.pop(("key", rec.id), None)
+        await self.store.delete_tenant(name)
+        await self.reload()
 
-    def create_key(self, tenant: str, spec: KeySpec) -> tuple[KeyRecord, str]:
+    async def create_key(self, tenant: str, spec: KeySpec) -> tuple[KeyRecord, str]:
         self.tenant(tenant)
-        rec, key = self.store.create_key(tenant, spec)
-        self.keys[rec.id] = rec
-        self.accounts[("key", rec.id)] = Account.new("key", rec.id, spec.limits, spec.budgets, self.clock(),
-                                                     self._spent("key_id", rec.id))
+        rec, key = await self.store.create_key(tenant, spec)
+        await self.reload()
         return rec, key
 
     def key(self, kid: str) -> KeyRecord:
@@ -179,72 +212,59 @@ class Tenancy:
             raise KeyNotFoundError(f"no key {kid!r}", param="key_id")
         return rec
 
-    def rotate_key(self, kid: str) -> tuple[KeyRecord, str]:
-        out = self.store.rotate_key(self.key(kid).id)
+    async def rotate_key(self, kid: str) -> tuple[KeyRecord, str]:
+        out = await self.store.rotate_key(self.key(kid).id)
         if out is None:
             raise KeyNotFoundError(f"key {kid!r} is revoked", param="key_id")
-        self.keys[kid] = out[0]
+        await self.reload()
         return out
 
-    def revoke_key(self, kid: str) -> KeyRecord:
+    async def revoke_key(self, kid: str) -> KeyRecord:
         self.key(kid)
-        self.store.revoke_key(kid)
-        self.keys[kid] = next(r for r in self.store.keys() if r.id == kid)
-        self.accounts.pop(("key", kid), None)
+        await self.store.revoke_key(kid)
+        await self.reload()
         return self.keys[kid]
 
-    def account_view(self, kind: str, ident: str) -> dict | None:
-        acct = self.accounts.get((kind, ident))
-        if acct is None:
-            return None
-        now = self.clock()
-        acct.roll(now, self._spent("tenant" if kind == "tenant" else "key_id", ident))
-        return acct.view(now)
+    async def account_view(self, kind: str, ident: str) -> dict | None:
+        return await self.ledger.view((kind, ident))
 
     # -- admission and settlement ----------------------------------------------------------------
-    def admit(self, principal: Principal, unit: str, tokens: int, cost: float) -> Admission:
+    @staticmethod
+    def _refs(principal: Principal) -> list[AccountRef]:
+        return [("key", principal.key_id), ("tenant", principal.tenant)] if principal.tenant is not None else []
+
+    async def admit(self, principal: Principal, unit: str, tokens: int, cost: float) -> Admission:
         """Reserve ``tokens`` / ``cost`` (the request's worst case) on the key's and the tenant's
         accounts, all or none; raises the typed 429 of the first limit or budget that refuses."""
         if principal.tenant is None:
-            return Admission(principal, unit, [], tokens, cost)
-        self.check(principal, tokens, cost)          # no await between the check and the reservation
-        now = self.clock()
-        accounts = self._accounts_of(principal, now)
-        for acct in accounts:
-            acct.reserve(tokens, cost)
-        headers = next((h for a in accounts if (h := a.rate_headers(now))), {})
-        return Admission(principal, unit, accounts, tokens, cost, headers)
+            return Admission(principal, unit, None)
+        try:
+            res = await self.ledger.admit(self._refs(principal), tokens, cost)
+        except RateLimitedError as err:
+            self.rejections[(principal.tenant, err.code)] += 1
+            raise
+        return Admission(principal, unit, res, self.ledger)
 
-    def check(self, principal: Principal, tokens: int, cost: float = 0.0) -> None:
+    async def check(self, principal: Principal, tokens: int, cost: float = 0.0) -> None:
         """Raise the 429 that admitting ``tokens`` / ``cost`` would meet now, reserving nothing (an
         asynchronous request is checked so before its 202; it is admitted when it runs)."""
-        now = self.clock()
-        for acct in self._accounts_of(principal, now):
-            err = acct.refusal(tokens, cost, now)
-            if err is not None:
-                self.rejections[(principal.tenant, err.code)] += 1
-                err.headers = acct.rate_headers(now)
-                raise err
-
-    def _accounts_of(self, principal: Principal, now: float) -> list[Account]:
-        """The caller's key and tenant accounts (none for the operator), their budget periods current."""
-        out = []
         if principal.tenant is None:
-            return out
-        for kind, ident, column in (("key", principal.key_id, "key_id"), ("tenant", principal.tenant, "tenant")):
-            acct = self.accounts.get((kind, ident))
-            if acct is not None:
-                acct.roll(now, self._spent(column, ident))
-                out.append(acct)
-        return out
+            return
+        try:
+            await self.ledger.check(self._refs(principal), tokens, cost)
+        except RateLimitedError as err:
+            self.rejections[(principal.tenant, err.code)] += 1
+            raise
 
     def queue_limits(self, principal: Principal) -> list[tuple[str, int]]:
         """(``key`` | ``tenant``, max_queued) of the caller's accounts that set one."""
         out = []
-        for kind, ident in (("key", principal.key_id), ("tenant", principal.tenant)):
-            acct = self.accounts.get((kind, ident))
-            if acct is not None and acct.limits.max_queued is not None:
-                out.append((kind, acct.limits.max_queued))
+        if principal.tenant is None:
+            return out
+        key = self.keys.get(principal.key_id)
+        for kind, spec in (("key", key.spec if key is not None else None), ("tenant", self.tenants.get(principal.tenant))):
+            if spec is not None and spec.limits.max_queued is not None:
+                out.append((kind, spec.limits.max_queued))
         return out
 
     def settle(self, adm: Admission, record: UsageRecord) -> None:
@@ -253,8 +273,8 @@ class Tenancy:
         if adm.settled:
             return
         adm.settled = True
-        for a in adm.accounts:
-            a.settle(adm.tokens, adm.cost, record.tokens, record.cost, adm.started)
+        if adm.reservation is not None:
+            self.ledger.settle(adm.reservation, record.tokens, record.cost)
         self._record([record])
         t = self.totals[(record.tenant or "", record.unit, record.outcome)]
         t.requests += 1
@@ -293,8 +313,8 @@ class Tenancy:
         if adm.settled:
             return
         adm.settled = True
-        for a in adm.accounts:
-            a.settle(adm.tokens, adm.cost, 0, 0.0, adm.started)
+        if adm.reservation is not None:
+            self.ledger.settle(adm.reservation, 0, 0.0)
 
 
 __all__ = ["Tenancy", "Admission", "OPERATOR", "TenantNotFoundError", "KeyNotFoundError", "TenantExistsError"]

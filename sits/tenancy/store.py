@@ -1,4 +1,6 @@
-"""Tenants, keys and usage records in SQLite (``<data-dir>/tenants.db``).
+"""Tenants, keys and usage records in SQLite (``<data-dir>/tenants.db``), for one gateway
+(``redis_store.py`` for several). The directory methods are coroutines like the Redis store's;
+they are small local queries.
 
 Keys are stored as the SHA-256 of their secret (256 random bits: a slow hash adds nothing) and
 shown once, at creation or rotation. Usage rows are the record of what every request used and
@@ -107,13 +109,22 @@ class TenantStore:
         with self._lock:
             self._db.close()
 
+    async def aclose(self) -> None:
+        self.close()
+
+    async def watch(self, on_change) -> None:
+        """One gateway owns a data directory's store: nobody else changes it."""
+
+    async def flush(self) -> None:
+        """Rows are written as they are recorded."""
+
     # -- tenants --------------------------------------------------------------------------------
-    def tenants(self) -> list[tuple[TenantSpec, float]]:
+    async def tenants(self) -> list[tuple[TenantSpec, float]]:
         with self._lock:
             rows = self._db.execute("SELECT spec, created_at FROM tenants ORDER BY name").fetchall()
         return [(TenantSpec.model_validate_json(s), t) for s, t in rows]
 
-    def put_tenant(self, spec: TenantSpec, *, create: bool) -> bool:
+    async def put_tenant(self, spec: TenantSpec, *, create: bool) -> bool:
         """Insert (``create``: False when the name exists) or replace (False when it does not)."""
         with self._lock:
             if create:
@@ -123,7 +134,7 @@ class TenantStore:
                 cur = self._db.execute("UPDATE tenants SET spec = ? WHERE name = ?", (spec.model_dump_json(), spec.name))
             return cur.rowcount == 1
 
-    def delete_tenant(self, name: str) -> bool:
+    async def delete_tenant(self, name: str) -> bool:
         """Removes the tenant and revokes its keys; its usage records stay."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
@@ -133,13 +144,13 @@ class TenantStore:
             return cur.rowcount == 1
 
     # -- keys -----------------------------------------------------------------------------------
-    def keys(self) -> list[KeyRecord]:
+    async def keys(self) -> list[KeyRecord]:
         with self._lock:
             rows = self._db.execute("SELECT id, tenant, hash, spec, created_at, revoked_at, last4 FROM keys "
                                     "ORDER BY created_at").fetchall()
         return [KeyRecord(i, t, h, KeySpec.model_validate_json(s), c, r, l4) for i, t, h, s, c, r, l4 in rows]
 
-    def create_key(self, tenant: str, spec: KeySpec) -> tuple[KeyRecord, str]:
+    async def create_key(self, tenant: str, spec: KeySpec) -> tuple[KeyRecord, str]:
         """A new key for ``tenant``; returns its record and the key itself (shown once)."""
         kid, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
         rec = KeyRecord(kid, tenant, hash_secret(secret), spec, time.time(), None, secret[-4:])
@@ -148,7 +159,7 @@ class TenantStore:
                              (rec.id, tenant, rec.hash, spec.model_dump_json(), rec.created_at, None, rec.last4))
         return rec, f"{KEY_PREFIX}{kid}_{secret}"
 
-    def rotate_key(self, kid: str) -> tuple[KeyRecord, str] | None:
+    async def rotate_key(self, kid: str) -> tuple[KeyRecord, str] | None:
         """A new secret under the same id, settings and spend; the old secret stops working at once."""
         secret = secrets.token_urlsafe(32)
         with self._lock:
@@ -156,10 +167,10 @@ class TenantStore:
                                    (hash_secret(secret), secret[-4:], kid))
         if cur.rowcount != 1:
             return None
-        rec = next(k for k in self.keys() if k.id == kid)
+        rec = next(k for k in await self.keys() if k.id == kid)
         return rec, f"{KEY_PREFIX}{kid}_{secret}"
 
-    def revoke_key(self, kid: str) -> bool:
+    async def revoke_key(self, kid: str) -> bool:
         with self._lock:
             cur = self._db.execute("UPDATE keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (time.time(), kid))
         return cur.rowcount == 1
@@ -187,7 +198,7 @@ class TenantStore:
                 f"WHERE {column} = ? AND at >= ? AND outcome != 'instance'", (value, since)).fetchone()
         return int(tokens), float(cost)
 
-    def usage(self, *, tenant: str | None = None, key_id: str | None = None, unit: str | None = None,
+    async def usage(self, *, tenant: str | None = None, key_id: str | None = None, unit: str | None = None,
               start: float | None = None, end: float | None = None, limit: int = 10_000) -> list[UsageRecord]:
         where, args = [], []
         for col, v in (("tenant", tenant), ("key_id", key_id), ("unit", unit)):

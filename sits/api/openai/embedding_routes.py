@@ -45,7 +45,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request):
         from sits.memory.embedder import shared_embedder
         embedder = await asyncio.to_thread(shared_embedder)
         lengths = [len(e.ids) for e in embedder.tokenizer.encode_batch(items)]
-        with metered_prompts(MINILM, new_request_id(), lengths):
+        async with metered_prompts(MINILM, new_request_id(), lengths):
             vectors = (await asyncio.to_thread(embedder.embed, items)).numpy()
         tokens = sum(lengths)
     else:
@@ -60,8 +60,8 @@ async def create_embeddings(body: EmbeddingRequest, request: Request):
                 raise InvalidRequestError(f"input[{i}]: token ids must be in [0, {backend.tokenizer.vocab_size})",
                                           param="input", code="invalid_token_id")
             ids.append(toks)
-        with metered_prompts(backend.name, new_request_id(), [len(t) for t in ids], backend.features.pricing,
-                             backend.features.shape):
+        async with metered_prompts(backend.name, new_request_id(), [len(t) for t in ids], backend.features.pricing,
+                                   backend.features.shape):
             vectors = np.asarray(await backend.embed(ids), dtype=np.float32)
         tokens = sum(len(t) for t in ids)
     if body.dimensions is not None and body.dimensions != vectors.shape[1]:

@@ -85,7 +85,7 @@ async def submit(body: SitsRequest, request: Request) -> JSONResponse:
                                   code="memory_ref_required")
     if (account := current_account.get()) is not None:     # a budget or limit already spent: 429 before the 202
         p = account.principal
-        account.tenancy.check(p, body.constraints.max_tokens)
+        await account.tenancy.check(p, body.constraints.max_tokens)
         for kind, limit in account.tenancy.queue_limits(p):   # unfinished async requests wait in a queue too
             n = _store(request).unfinished_of(p.tenant, p.key_id if kind == "key" else None)
             if n >= limit:
