@@ -478,7 +478,8 @@ def test_a_dead_gateways_reservations_are_released(shared_pair):
         doomed.configure(("key", kid), LimitsSpec(), [])
         doomed.configure(("tenant", "solo"), LimitsSpec(max_concurrent=1), [])
         await doomed.admit([("key", kid), ("tenant", "solo")], 10, 0.0)
-        doomed._maintainer.cancel()                       # ...then dies: its heartbeat stops
+        for task in doomed._maintainers:                  # ...then dies: its heartbeat stops
+            task.cancel()
         await client.delete(f"{prefix}gw:{doomed.gateway_id}")
         await client.aclose()
 
@@ -524,3 +525,76 @@ def test_tenancy_bench_runs_against_a_real_redis(redis_url, tmp_path):
     assert set(r["admissions_per_s"]) == {"local", "redis", "redis, 2 gateways"}
     assert all(v > 0 for v in r["admissions_per_s"].values()) and r["latency"]["redis"]["p50_us"] > 0
     assert "sits bench tenancy" in (tmp_path / "b.md").read_text() and (tmp_path / "img" / "tenancy_bench.png").exists()
+
+
+def test_the_shared_ledger_never_leaks_or_forgets_a_reservation(redis_url):
+    """Three ways a reservation could outlive its request, or a request its reservation, in Redis:
+    an admission whose answer never came back (cancelled; its release may even arrive first), a
+    gateway whose heartbeat lapsed while its request ran (reaped, then settled: the spend still
+    counts), and a gateway that shuts down with reservations open."""
+    from redis.asyncio import Redis
+
+    from sits.tenancy.ledger import Reservation
+    from sits.tenancy.redis_ledger import RedisLedger, TenancyUnavailableError
+    from sits.tenancy.redis_store import connect
+    from sits.tenancy.spec import BudgetSpec, LimitsSpec
+    url = redis_url.rsplit("/", 1)[0] + "/8"
+    prefix = "sits:{tenancy}:"
+    refs = [("key", "k1"), ("tenant", "t1")]
+
+    async def ledger() -> RedisLedger:
+        led = RedisLedger(connect(url), prefix)
+        led.configure(("key", "k1"), LimitsSpec(), [])
+        led.configure(("tenant", "t1"), LimitsSpec(max_concurrent=4), [BudgetSpec(period="total", tokens=1000)])
+        await led.start()
+        return led
+
+    async def budget(led) -> dict:
+        return (await led.view(("tenant", "t1")))
+
+    async def main() -> None:
+        admin = Redis.from_url(url, decode_responses=True)
+        await admin.flushdb()
+        await admin.hset(f"{prefix}tenants", "t1", "{}")
+        await admin.sadd(f"{prefix}live_keys", "k1")
+        a, b = await ledger(), await ledger()
+        # 1. the release overtakes the admission it releases: the admission is refused, nothing is held
+        req, _ = a._request(refs, 100, 0.0, dry=False)
+        a._release(req["rid"], [])
+        await a.drain()
+        with pytest.raises(TenancyUnavailableError):
+            await a._run_admit_request(req, a._request(refs, 100, 0.0, dry=False)[1], 100, 0.0)
+        v = await budget(a)
+        assert v["active"] == 0 and v["budgets"][0]["tokens_reserved"] == 0
+        # ...and admissions cancelled at every point of their way: what one got back its caller settles
+        # (as a generation does); what was cancelled is released once the script has run, or refused
+        for ticks in range(12):
+            task = asyncio.ensure_future(a.admit(refs, 100, 0.0))
+            for _ in range(ticks):
+                await asyncio.sleep(0)
+            task.cancel()
+            [got] = await asyncio.gather(task, return_exceptions=True)
+            if isinstance(got, Reservation):
+                a.settle(got, 0, 0.0)
+        await a.drain()
+        v = await budget(a)
+        assert v["active"] == 0 and v["budgets"][0]["tokens_reserved"] == 0
+        # 2. reaped while its request ran (the heartbeat lapsed), settled afterwards: the spend counts
+        res = await a.admit(refs, 100, 0.0)
+        await admin.delete(f"{prefix}gw:{a.gateway_id}")
+        assert await b.reap() == 1
+        a.settle(res, 60, 0.0)
+        await a.drain()
+        v = await budget(b)
+        assert v["active"] == 0 and v["budgets"][0]["tokens_spent"] == 60 and v["budgets"][0]["tokens_reserved"] == 0
+        # 3. shut down with a reservation open: released, not orphaned
+        await b.admit(refs, 100, 0.0)
+        await b.aclose()
+        v = await budget(a)
+        assert v["active"] == 0 and v["budgets"][0]["tokens_reserved"] == 0
+        await a.aclose()
+        for led in (a, b):
+            await led.redis.aclose(close_connection_pool=True)
+        await admin.aclose()
+
+    asyncio.run(main())

@@ -169,4 +169,16 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        if _is_redis_error(exc):      # a shared store (sessions, tenants) that cannot be reached: retry later
+            log.warning("%s %s: Redis unavailable (%s: %s)", request.method, request.url.path, type(exc).__name__, exc)
+            body = error_body("a shared store (Redis) cannot be reached now; retry shortly", 503, "store_unavailable")
+            return JSONResponse(body, status_code=503, headers={"retry-after": "1"})
         return internal_error_response(request.method, request.url.path)
+
+
+def _is_redis_error(exc: BaseException) -> bool:
+    try:
+        from redis.exceptions import RedisError
+    except ImportError:
+        return False
+    return isinstance(exc, RedisError)

@@ -66,6 +66,7 @@ end
 ADMIT = _BUCKET + """
 local req = cjson.decode(ARGV[1])
 local now = clock()
+if redis.call('EXISTS', req.gone) == 1 then return {'gone'} end
 if req.key_id and redis.call('SISMEMBER', req.live, req.key_id) == 0 then return {'revoked'} end
 if redis.call('HEXISTS', req.tenants, req.tenant) == 0 then return {'revoked'} end
 local tokens, cost = req.tokens, req.cost
@@ -109,7 +110,10 @@ redis.call('HSET', req.resv, req.rid, cjson.encode({accounts = req.accounts, tok
 return out
 """
 
-# KEYS[1]: a gateway's reservations; ARGV: rid (or '*': all of them, a dead gateway's), tokens, cost
+# KEYS[1]: a gateway's reservations; ARGV: rid (or '*': all of them, a dead gateway's), tokens, cost, the
+# rid's "gone" marker, its budget keys (JSON). A reservation that is not there (released by a reaper, or an
+# admission whose answer never arrived) is still charged what was used, and marked gone so that an admission
+# still on its way is refused instead of reserving for a request nobody will settle.
 SETTLE = _BUCKET + """
 local now = clock()
 local function settle(rid, raw, tokens, cost)
@@ -117,10 +121,10 @@ local function settle(rid, raw, tokens, cost)
   for _, a in ipairs(r.accounts) do
     redis.call('HINCRBY', a.key, 'active', -1)
     if r.started == 0 then redis.call('HINCRBY', a.key, 'queued', -1) end
-    if a.tpm then
+    if a.tpm and tonumber(redis.call('HGET', a.key, 'tpm_cap')) == a.tpm then   -- not after a capacity change
       local lv = bucket(a.key, 'tpm', a.tpm, now)
       lv = math.min(a.tpm, lv + math.max(r.tokens - tokens, 0))
-      redis.call('HSET', a.key, 'tpm', tostring(lv), 'tpm_t', tostring(now), 'tpm_cap', a.tpm)
+      redis.call('HSET', a.key, 'tpm', tostring(lv), 'tpm_t', tostring(now))
     end
     for _, b in ipairs(a.budgets) do
       redis.call('HINCRBY', b.key, 'rt', -r.tokens)
@@ -136,10 +140,18 @@ if ARGV[1] == '*' then
   for i = 1, #all, 2 do settle(all[i], all[i + 1], 0, 0) end
   return #all / 2
 end
+local tokens, cost = tonumber(ARGV[2]), tonumber(ARGV[3])
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
-if not raw then return 0 end
-settle(ARGV[1], raw, tonumber(ARGV[2]), tonumber(ARGV[3]))
-return 1
+if raw then
+  settle(ARGV[1], raw, tokens, cost)
+  return 1
+end
+redis.call('SET', ARGV[4], '1', 'EX', 600)
+for _, key in ipairs(cjson.decode(ARGV[5])) do
+  if tokens ~= 0 then redis.call('HINCRBY', key, 'st', tokens) end
+  if cost ~= 0 then redis.call('HINCRBYFLOAT', key, 'sc', tostring(cost)) end
+end
+return 0
 """
 
 # KEYS[1]: a gateway's reservations; ARGV[1]: rid
@@ -168,12 +180,17 @@ class RedisLedger:
         self._first = redis.register_script(FIRST_TOKEN)
         self.writer = PipelinedWriter(redis, "settlements")      # first tokens and settlements, in order
         self._views: dict[AccountRef, tuple[int, list[dict]]] = {}
-        self._maintainer: asyncio.Task | None = None
+        self._maintainers: list[asyncio.Task] = []
+        self._beat_client = None
+        self._beats = 0
 
     # -- names ------------------------------------------------------------------------------------
     @property
     def _resv(self) -> str:
         return f"{self.prefix}resv:{self.gateway_id}"
+
+    def _gone(self, rid: str) -> str:
+        return f"{self.prefix}gone:{rid}"
 
     def _acct_key(self, ref: AccountRef) -> str:
         return f"{self.prefix}acct:{ref[0]}:{ref[1]}"
@@ -225,7 +242,8 @@ class RedisLedger:
                 acct["budgets"].append(entry)
             accounts.append(acct)
             used.append((ref, limits, budgets))
-        req = {"rid": uuid.uuid4().hex, "resv": self._resv, "live": f"{self.prefix}live_keys",
+        rid = uuid.uuid4().hex
+        req = {"rid": rid, "gone": self._gone(rid), "resv": self._resv, "live": f"{self.prefix}live_keys",
                "tenants": f"{self.prefix}tenants", "tokens": tokens, "cost": cost, "accounts": accounts}
         key_id = next((r[1] for r in refs if r[0] == "key"), None)
         if key_id is not None:
@@ -237,19 +255,32 @@ class RedisLedger:
 
     async def _run_admit(self, refs: list[AccountRef], tokens: int, cost: float, dry: bool) -> tuple[dict, list, list]:
         req, used = self._request(refs, tokens, cost, dry)
+        return req, used, await self._run_admit_request(req, used, tokens, cost)
+
+    async def _run_admit_request(self, req: dict, used: list, tokens: int, cost: float) -> list:
+        """Run the admission script for ``req``; its answer, or the typed refusal."""
+        dry = bool(req.get("dry"))
         keys = [req["resv"], req["live"], req["tenants"], *(a["key"] for a in req["accounts"]),
                 *(b["key"] for a in req["accounts"] for b in a["budgets"])]
         try:
             out = await self._admit(keys=keys, args=[json.dumps(req)])
-        except Exception as e:      # a connection refused, a timeout, a script error: nothing was reserved
+        except BaseException as e:
+            # cancelled (the client left) or no answer (a timeout): Redis may have run the script all the
+            # same. Release whatever it reserved; the marker refuses the script if it has yet to run.
+            if not dry:
+                self._release(req["rid"], _budget_keys_of(req))
+            if not isinstance(e, Exception):
+                raise
             raise TenancyUnavailableError(f"the shared tenant store cannot be reached ({type(e).__name__}: {e}); "
                                           f"retry shortly") from None
         if out[0] != "ok":
             raise self._refusal(out, req, used, tokens, cost)
-        return req, used, out
+        return out
 
     def _refusal(self, out: list, req: dict, used: list, tokens: int, cost: float) -> SitsError:
         """The typed error of what the script refused, worded as the in-process ledger words it."""
+        if out[0] == "gone":
+            return TenancyUnavailableError("the admission timed out on its way to the shared tenant store; retry")
         if out[0] == "revoked":
             return KeyRevokedError("this API key was revoked (or its tenant deleted) a moment ago")
         ref, limits, budgets = used[int(out[1]) - 1]
@@ -284,14 +315,18 @@ class RedisLedger:
             if h:
                 headers = h
                 break
-        return Reservation(refs, tokens, cost, headers, handle=req["rid"])
+        return Reservation(refs, tokens, cost, headers, handle=(req["rid"], _budget_keys_of(req)))
 
     def first_token(self, res: Reservation) -> None:
-        self.writer.put(lambda pipe, rid=res.handle: self._first(keys=[self._resv], args=[rid], client=pipe))
+        self.writer.put(lambda pipe, rid=res.handle[0]: self._first(keys=[self._resv], args=[rid], client=pipe))
 
     def settle(self, res: Reservation, tokens: int, cost: float) -> None:
-        self.writer.put(lambda pipe, rid=res.handle: self._settle(keys=[self._resv], args=[rid, tokens, repr(float(cost))],
-                                                                  client=pipe))
+        rid, budget_keys = res.handle
+        self._release(rid, budget_keys, tokens, cost)
+
+    def _release(self, rid: str, budget_keys: list[str], tokens: int = 0, cost: float = 0.0) -> None:
+        args = [rid, tokens, repr(float(cost)), self._gone(rid), json.dumps(budget_keys)]
+        self.writer.put(lambda pipe: self._settle(keys=[self._resv], args=args, client=pipe))
 
     async def drain(self) -> None:
         await self.writer.drain()
@@ -328,12 +363,23 @@ class RedisLedger:
 
     # -- upkeep -----------------------------------------------------------------------------------
     async def start(self) -> None:
+        from redis.asyncio import ConnectionPool, Redis
+        pool = self.redis.connection_pool           # the heartbeat never waits behind admissions for a connection
+        self._beat_client = Redis(connection_pool=ConnectionPool(connection_class=pool.connection_class,
+                                                                 max_connections=2, **pool.connection_kwargs))
         await self._beat()
-        self._maintainer = asyncio.get_running_loop().create_task(self._maintain())
+        loop = asyncio.get_running_loop()
+        self._maintainers = [loop.create_task(self._every(HEARTBEAT_S, self._beat)),
+                             loop.create_task(self._every(HEARTBEAT_S, self._upkeep))]
 
     async def _beat(self) -> None:
-        await self.redis.set(f"{self.prefix}gw:{self.gateway_id}", "1", ex=DEAD_AFTER_S)
-        await self.redis.sadd(f"{self.prefix}gateways", self.gateway_id)
+        client = self._beat_client or self.redis
+        lapsed = await client.set(f"{self.prefix}gw:{self.gateway_id}", "1", ex=DEAD_AFTER_S, get=True) is None
+        await client.sadd(f"{self.prefix}gateways", self.gateway_id)
+        if lapsed and self._beats:
+            log.error("this gateway's heartbeat lapsed (Redis unreachable for %d s?): another gateway may have "
+                      "released its reservations; what its requests use is still charged when they end", DEAD_AFTER_S)
+        self._beats += 1
 
     async def reap(self) -> int:
         """Release the reservations of gateways whose heartbeat expired; how many were released."""
@@ -341,36 +387,51 @@ class RedisLedger:
         for gid in await self.redis.smembers(f"{self.prefix}gateways"):
             if gid == self.gateway_id or await self.redis.exists(f"{self.prefix}gw:{gid}"):
                 continue
-            n = await self._settle(keys=[f"{self.prefix}resv:{gid}"], args=["*", 0, 0])
+            n = await self._settle(keys=[f"{self.prefix}resv:{gid}"], args=["*", 0, 0, "", "[]"])
             await self.redis.srem(f"{self.prefix}gateways", gid)
             if n:
                 log.warning("released %d reservations of gateway %s (its heartbeat stopped)", n, gid)
             released += int(n)
         return released
 
-    async def _maintain(self) -> None:
+    async def _upkeep(self) -> None:
+        await self.reap()
+        for ref in [r for r in self.specs if r[0] == "tenant"]:
+            await self.view(ref)          # the metrics' budgets and in-flight gauges
+
+    async def _every(self, interval_s: float, work) -> None:
         while True:
-            await asyncio.sleep(HEARTBEAT_S)
+            await asyncio.sleep(interval_s)
             try:
-                await self._beat()
-                await self.reap()
-                for ref in [r for r in self.specs if r[0] == "tenant"]:
-                    await self.view(ref)          # the metrics' budgets and in-flight gauges
+                await work()
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("tenant ledger upkeep failed; retried in %g s", HEARTBEAT_S)
+            except Exception as e:
+                log.warning("tenant ledger %s failed (%s: %s); retried in %g s", work.__name__.strip("_"),
+                            type(e).__name__, e, interval_s)
 
     async def aclose(self) -> None:
-        if self._maintainer is not None:
-            self._maintainer.cancel()
-            await asyncio.gather(self._maintainer, return_exceptions=True)
+        for task in self._maintainers:
+            task.cancel()
+        await asyncio.gather(*self._maintainers, return_exceptions=True)
         await self.writer.aclose()
         try:
+            # what is still reserved here belongs to requests that end with this process: released now
+            # (not left for a reaper, which only looks for gateways that are still registered)
+            n = await self._settle(keys=[self._resv], args=["*", 0, 0, "", "[]"])
+            if n:
+                log.warning("released %d reservations left at shutdown", n)
             await self.redis.delete(f"{self.prefix}gw:{self.gateway_id}")
             await self.redis.srem(f"{self.prefix}gateways", self.gateway_id)
         except Exception:
-            log.warning("could not deregister gateway %s from the tenant store", self.gateway_id)
+            log.warning("could not deregister gateway %s from the tenant store; its reservations are released "
+                        "once its heartbeat expires", self.gateway_id)
+        if self._beat_client is not None:
+            await self._beat_client.aclose(close_connection_pool=True)
+
+
+def _budget_keys_of(req: dict) -> list[str]:
+    return [b["key"] for a in req["accounts"] for b in a["budgets"]]
 
 
 def _bucket_state(capacity: int | None, level: float) -> tuple[float, int, float] | None:

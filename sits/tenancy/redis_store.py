@@ -15,6 +15,7 @@ import json
 import logging
 import secrets
 import time
+import uuid
 from dataclasses import asdict
 from typing import Awaitable, Callable
 
@@ -52,6 +53,16 @@ for k, v in pairs(cjson.decode(ARGV[2])) do r[k] = v end
 redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(r))
 if r.revoked_at ~= cjson.null then redis.call('SREM', KEYS[2], ARGV[1]) end
 return 1
+"""
+
+# KEYS: the usage stream; ARGV: the row's own key, the row (JSON), the stream's length bound. A batch the
+# writer sends again (its answer was lost) does not add a row twice.
+_ADD_USAGE = """
+if redis.call('SET', ARGV[1], '1', 'NX', 'EX', 86400) then
+  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'r', ARGV[2])
+  return 1
+end
+return 0
 """
 
 # KEYS: tenants; ARGV: name, spec json
@@ -97,6 +108,7 @@ class RedisTenantStore:
         self._delete_tenant = redis.register_script(_DELETE_TENANT)
         self._update_key = redis.register_script(_UPDATE_LIVE_KEY)
         self._replace_tenant = redis.register_script(_REPLACE_TENANT)
+        self._add_usage = redis.register_script(_ADD_USAGE)
         self.writer = PipelinedWriter(redis, "usage rows")
         self._watcher: asyncio.Task | None = None
 
@@ -186,11 +198,15 @@ class RedisTenantStore:
     def record(self, rows: list[UsageRecord]) -> None:
         """Written in the background, in order (the request has ended; its ledger settles apart)."""
         for r in rows:
-            self.writer.put(lambda pipe, row=json.dumps(asdict(r)):
-                            pipe.xadd(self._usage, {"r": row}, maxlen=USAGE_MAXLEN, approximate=True))
+            args = [f"{self.prefix}urow:{uuid.uuid4().hex}", json.dumps(asdict(r)), USAGE_MAXLEN]
+            self.writer.put(lambda pipe, args=args: self._add_usage(keys=[self._usage], args=args, client=pipe))
 
-    async def flush(self) -> None:
-        await self.writer.drain()
+    async def flush(self, timeout_s: float = 2.0) -> None:
+        """This gateway's rows written (or ``timeout_s`` passed: Redis is not taking them now)."""
+        try:
+            await asyncio.wait_for(self.writer.drain(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
 
     async def usage(self, *, tenant: str | None = None, key_id: str | None = None, unit: str | None = None,
                     start: float | None = None, end: float | None = None, limit: int = 10_000) -> list[UsageRecord]:
