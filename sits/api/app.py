@@ -28,7 +28,7 @@ from sits.api.edge import EdgeMiddleware
 from sits.api.errors import install_error_handlers
 from sits.api.hot_path import HotRoutes
 from sits.api.metrics import CONTENT_TYPE, ServerMetrics
-from sits.api import tenant_routes
+from sits.api import adapter_routes, tenant_routes
 from sits.api.openai import embedding_routes
 from sits.api.openai import routes as openai_routes
 from sits.api.openai import responses as responses_routes
@@ -133,6 +133,7 @@ def create_app(registry: BackendRegistry, settings: ServerSettings | None = None
     app.include_router(embedding_routes.router)
     app.include_router(tenant_routes.admin)
     app.include_router(tenant_routes.usage_router)
+    app.include_router(adapter_routes.router)
 
     @app.get("/health", tags=["ops"])
     async def health() -> dict[str, Any]:

@@ -91,9 +91,19 @@ class EngineBackend:
         return self.engine.alive
 
     def prepare(self, prompt, params, *, request_id, priority=0, interactive=True,
-                add_special_tokens=True) -> EngineRequest:
+                add_special_tokens=True, lora: str | None = None) -> EngineRequest:
         return self.engine.prepare(prompt, params, request_id=request_id, priority=priority,
-                                   interactive=interactive, add_special_tokens=add_special_tokens)
+                                   interactive=interactive, add_special_tokens=add_special_tokens, lora=lora)
+
+    @property
+    def adapters(self) -> list[dict]:
+        return self.engine.adapters
+
+    async def load_adapter(self, name: str, path: str) -> list[dict]:
+        return await self.engine.load_adapter(name, path)
+
+    async def unload_adapter(self, name: str) -> list[dict]:
+        return await self.engine.unload_adapter(name)
 
     def stream(self, prepared: EngineRequest, hints: RequestHints | None = None) -> AsyncIterator[TokenEvent]:
         return self.engine.stream(prepared)
@@ -112,6 +122,31 @@ class EngineBackend:
 
     async def embed(self, inputs: list[list[int]]) -> np.ndarray:
         return await asyncio.to_thread(self.engine.engine.embed, inputs)
+
+
+class AdapterBackend:
+    """A LoRA adapter as a model of its own, ``<parent>:<adapter>``: everything is its parent's (the
+    engine or unit that serves it), except that its requests run with the adapter."""
+
+    def __init__(self, parent: Backend, adapter: str):
+        self.parent = parent
+        self.adapter = adapter
+        self.name = f"{parent.name}:{adapter}"
+
+    def __getattr__(self, attr: str):
+        return getattr(self.parent, attr)
+
+    def prepare(self, prompt, params, *, lora: str | None = None, **kw) -> EngineRequest:
+        return self.parent.prepare(prompt, params, lora=self.adapter, **kw)
+
+    def admit(self) -> "AdapterBackend":
+        admitted = self.parent.admit()
+        return self if admitted is self.parent else AdapterBackend(admitted, self.adapter)
+
+
+def adapter_names(backend: Backend) -> list[str]:
+    """The LoRA adapters ``backend`` serves (none for a backend without adapter support)."""
+    return [a["name"] for a in getattr(backend, "adapters", None) or []]
 
 
 class BackendRegistry:
@@ -139,15 +174,28 @@ class BackendRegistry:
             raise err
         if name is None:
             name = self.default_name()
-        try:
-            backend = self._by_name[name]
-        except KeyError:
+        backend = self._by_name.get(name) or self._adapter(name)
+        if backend is None:
             raise ModelNotFoundError(f"the model {clip(name)} does not exist; served: "
-                                     f"{', '.join(sorted(self.visible())) or 'none'}", param="model") from None
-        if not current_principal.get().may_call(name):
+                                     f"{', '.join(sorted(self.visible())) or 'none'}", param="model")
+        principal = current_principal.get()
+        if not (principal.may_call(name) or isinstance(backend, AdapterBackend) and principal.may_call(backend.parent.name)):
             raise ModelNotAllowedError(f"this API key may not call {clip(name)}; it may call: "
                                        f"{', '.join(sorted(self.visible())) or 'nothing served now'}", param="model")
         return backend.admit()
+
+    def _adapter(self, name: str) -> AdapterBackend | None:
+        """``<parent>:<adapter>``, or an adapter's own name where one backend serves it."""
+        parent_name, sep, adapter = name.partition(":")
+        if sep:
+            parent = self._by_name.get(parent_name)
+            return AdapterBackend(parent, adapter) if parent is not None and adapter in adapter_names(parent) else None
+        serving = [b for b in self._by_name.values() if name in adapter_names(b)]
+        if len(serving) > 1:
+            raise InvalidRequestError(f"several models serve an adapter {clip(name)}: name one as "
+                                      f"{' or '.join(f'{b.name}:{name}' for b in serving)}", param="model",
+                                      code="ambiguous_model")
+        return AdapterBackend(serving[0], name) if serving else None
 
     def visible(self) -> list[str]:
         """The names the current caller's key may call."""

@@ -275,6 +275,7 @@ class ModelCard(BaseModel):
     owned_by: str = "sits"
     max_model_len: int | None = None
     root: str | None = None
+    parent: str | None = None       # a LoRA adapter's base model (its id is ``<parent>:<adapter>``)
 
 
 class ModelList(BaseModel):

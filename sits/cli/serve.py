@@ -76,6 +76,13 @@ def _engine_config(args: argparse.Namespace):
                         quantization=args.quantization)
 
 
+def _lora_arg(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise SystemExit(f"--lora {text!r}: expected NAME=PATH")
+    return name, path
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from sits.engine.async_engine import AsyncEngine
     from sits.engine.sampling_params import SamplingParams
@@ -123,6 +130,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from sits.api.server import serve
     settings = _server_settings(args)
     cfg = _engine_config(args)
+    if args.lora or args.enable_lora:
+        import dataclasses
+        cfg = dataclasses.replace(cfg, lora_adapters=tuple(_lora_arg(x) for x in args.lora), enable_lora=args.enable_lora,
+                                  max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     if args.max_model_len:
         cfg.max_model_len = args.max_model_len
     return serve(cfg, settings, host=args.host, port=args.port, served_name=args.served_model_name,
@@ -171,6 +182,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: dir name)")
     srv.add_argument("--max-model-len", type=int, default=None,
                      help="cap the context length, tokens (default: the model's)")
+    srv.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                     help="serve the PEFT LoRA adapter in PATH as NAME (repeatable); call it as model NAME or "
+                          "<served name>:NAME")
+    srv.add_argument("--enable-lora", action="store_true",
+                     help="accept adapters loaded at run time (POST /v1/load_lora_adapter); implied by --lora")
+    srv.add_argument("--max-loras", type=int, default=4, help="adapters resident, and in one step, at most")
+    srv.add_argument("--max-lora-rank", type=int, default=64, help="the largest adapter rank served")
     srv.add_argument("--engine", default="process", choices=["process", "thread"],
                      help="run the engine in its own process or in a thread of the server")
     srv.add_argument("--data-dir", default=os.environ.get("SITS_DATA_DIR", ".sits"),

@@ -10,6 +10,7 @@ request, which frees its KV blocks at the next step boundary.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -20,8 +21,8 @@ from sits.engine.config import EngineConfig
 from sits.engine.core import EngineCore
 from sits.engine.errors import DuplicateRequestError, EngineDeadError, RequestAbortedError, SitsError
 from sits.engine.llm_engine import LLMEngine
-from sits.engine.messages import (AbortRequest, EngineInput, EngineOutput, EngineRequest, EngineStats, RequestError,
-                                  StepOutput, TokenEvent)
+from sits.engine.messages import (AbortRequest, AdaptersChanged, EngineInput, EngineOutput, EngineRequest,
+                                  EngineStats, LoadAdapter, RequestError, StepOutput, TokenEvent, UnloadAdapter)
 from sits.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("sits.engine")
@@ -39,13 +40,28 @@ async def events_until_finished(queue: asyncio.Queue) -> AsyncIterator[TokenEven
             return
 
 
+class AdapterCalls:
+    """LoRA adapters loaded into an engine through its driver: the engine reads the folder between two
+    steps and answers with the adapters it serves now (``_call`` sends a message and awaits that)."""
+
+    adapters: list[dict]
+
+    async def load_adapter(self, name: str, path: str) -> list[dict]:
+        self.adapters = await self._call(lambda rid: LoadAdapter(rid, name, path))
+        return self.adapters
+
+    async def unload_adapter(self, name: str) -> list[dict]:
+        self.adapters = await self._call(lambda rid: UnloadAdapter(rid, name))
+        return self.adapters
+
+
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
 
-class AsyncEngine:
+class AsyncEngine(AdapterCalls):
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.core = EngineCore(engine)
@@ -54,6 +70,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._dead: BaseException | None = None
+        self._calls: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
+        self.adapters: list[dict] = engine.adapter_views()      # the LoRA adapters served now
         self._thread = threading.Thread(target=self._loop, name="sits-engine", daemon=True)
         self._thread.start()
 
@@ -70,12 +89,12 @@ class AsyncEngine:
     # -- public API -----------------------------------------------------------------------------
     def prepare(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                 request_id: str | None = None, priority: int = 0, interactive: bool = True,
-                add_special_tokens: bool = True) -> EngineRequest:
+                add_special_tokens: bool = True, lora: str | None = None) -> EngineRequest:
         """Validate and tokenize a request without queueing it (raises the typed SitsError)."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop has died: {self._dead!r}")
         req = self.engine.make_request(prompt, params, request_id=request_id, priority=priority,
-                                       interactive=interactive, add_special_tokens=add_special_tokens)
+                                       interactive=interactive, add_special_tokens=add_special_tokens, lora=lora)
         if req.request_id in self._streams:
             raise DuplicateRequestError(f"request id {req.request_id!r} is already in use",
                                         param="request_id")
@@ -122,6 +141,32 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    async def _call(self, message):
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop has died: {self._dead!r}")
+        rid = f"call-{next(self._call_ids)}"
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._calls[rid] = (loop, fut)
+        try:
+            self._send(message(rid))
+            return await fut
+        finally:
+            self._calls.pop(rid, None)
+
+    def _answer(self, request_id: str, result=None, error: BaseException | None = None) -> bool:
+        """Resolve a call's future from the loop thread; False if ``request_id`` is no call."""
+        call = self._calls.get(request_id)
+        if call is None:
+            return False
+        loop, fut = call
+
+        def resolve() -> None:
+            if not fut.done():
+                fut.set_exception(error) if error is not None else fut.set_result(result)
+        loop.call_soon_threadsafe(resolve)
+        return True
+
     @property
     def alive(self) -> bool:
         """The step thread is running and has not died."""
@@ -148,8 +193,11 @@ class AsyncEngine:
                 self._deliver(ev.request_id, ev)
             for err in out.errors:
                 self._deliver(err.request_id, err.to_exception())
+        elif isinstance(out, AdaptersChanged):
+            self._answer(out.request_id, out.adapters)
         elif isinstance(out, RequestError):
-            self._deliver(out.request_id, out.to_exception())
+            if not self._answer(out.request_id, error=out.to_exception()):
+                self._deliver(out.request_id, out.to_exception())
 
     def _loop(self) -> None:
         core = self.core
@@ -175,3 +223,5 @@ class AsyncEngine:
             err = EngineDeadError(f"the engine loop has died: {e!r}")
             for rid in list(self._streams):
                 self._deliver(rid, err)
+            for rid in list(self._calls):
+                self._answer(rid, error=err)

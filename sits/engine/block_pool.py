@@ -77,8 +77,9 @@ class BlockPool:
                               self.prefix_hits / q if q else 0.0)
 
     # -- allocation -----------------------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
-        """Longest run of cached full blocks covering at most ``max_tokens`` of ``token_ids``.
+    def match_prefix(self, token_ids: list[int], max_tokens: int, root: int = NO_HASH) -> tuple[list[int], list[int]]:
+        """Longest run of cached full blocks covering at most ``max_tokens`` of ``token_ids``, in the
+        chain that starts at ``root`` (the base model's, or a LoRA adapter's: its KV differs).
 
         Returns (block_ids, hashes) and takes a reference on each matched block. The caller
         records the lookup with ``record_lookup`` once it commits to it.
@@ -88,7 +89,7 @@ class BlockPool:
         if not self.enable_prefix_caching:
             return ids, hashes
         bs = self.block_size
-        parent = NO_HASH
+        parent = root
         n_full = max_tokens // bs
         for i in range(n_full):
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])

@@ -216,6 +216,14 @@ class EngineConfig:
     kv_touch: str = "eager"              # "eager" (touch the KV pool at start) or "background" (while idle)
     warmup_shapes: str = "all"           # "all" serving shapes, or "minimal" (one prefill, one decode: cold starts)
     seed: int = 0                        # default generator seed for unseeded sampling
+    lora_adapters: tuple[tuple[str, str], ...] = ()   # (name, PEFT folder) loaded at start (sits.engine.lora)
+    enable_lora: bool = False            # adapters may be loaded at run time (implied by lora_adapters)
+    max_loras: int = 4                   # adapters resident on the device, and in one step, at most
+    max_lora_rank: int = 64
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_adapters)
 
     def __post_init__(self) -> None:
         if self.kv_touch not in ("eager", "background"):
@@ -226,6 +234,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be 'int8' or None, got {self.quantization!r}")
         if self.policy not in ("pfsd", "fcfs"):
             raise ValueError(f"policy must be 'pfsd' or 'fcfs', got {self.policy!r}")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
         if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be >= 1")
 

@@ -12,8 +12,9 @@ import time
 
 from sits.engine.errors import SitsError
 from sits.engine.llm_engine import LLMEngine
-from sits.engine.messages import (AbortRequest, EmbedRequest, Embedded, EngineInput, EngineOutput, EngineRequest,
-                                  EngineStats, FaultDirectives, Ping, Pong, RequestError, StepOutput)
+from sits.engine.messages import (AbortRequest, AdaptersChanged, EmbedRequest, Embedded, EngineInput, EngineOutput,
+                                  EngineRequest, EngineStats, FaultDirectives, LoadAdapter, Ping, Pong, RequestError,
+                                  StepOutput, UnloadAdapter)
 
 
 class EngineCore:
@@ -46,6 +47,15 @@ class EngineCore:
                 return [Embedded(msg.request_id, self.engine.embed(msg.inputs))]
             except SitsError as e:
                 return [RequestError.of(msg.request_id, e)]
+        elif isinstance(msg, (LoadAdapter, UnloadAdapter)):     # between steps: no request sees half an adapter
+            try:
+                if isinstance(msg, LoadAdapter):
+                    self.engine.load_adapter(msg.name, msg.path)
+                else:
+                    self.engine.unload_adapter(msg.name)
+            except SitsError as e:
+                return [RequestError.of(msg.request_id, e)]
+            return [AdaptersChanged(msg.request_id, self.engine.adapter_views())]
         elif isinstance(msg, Ping):
             if not self._faults.drop_pings:
                 return [Pong(msg.seq)]

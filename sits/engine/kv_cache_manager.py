@@ -33,7 +33,7 @@ class KVCacheManager:
         left to compute (its logits give the next token)."""
         if seq.block_table:
             return
-        ids, hashes = self.pool.match_prefix(seq.all_token_ids, seq.num_tokens - 1)
+        ids, hashes = self.pool.match_prefix(seq.all_token_ids, seq.num_tokens - 1, seq.cache_root)
         seq.block_table, seq.block_hashes = ids, hashes
         seq.num_computed_tokens = seq.num_cached_tokens = len(ids) * self.block_size
 

@@ -26,6 +26,7 @@ from sits.engine.errors import EngineStepError, InvalidRequestError, NonFiniteLo
 from sits.engine.guided import vocabulary_for
 from sits.engine.kv_cache import KVCache
 from sits.engine.loader import load_model
+from sits.engine.lora import AdapterInUseError, AdapterManager, AdapterNotFoundError
 from sits.engine.messages import EngineRequest, EngineStats, TokenEvent
 from sits.engine.model_runner import ModelRunner
 from sits.engine.request_validator import RequestValidator, plan_limits
@@ -127,7 +128,14 @@ class LLMEngine:
                                     touch=cfg.kv_touch)
             self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.validator = RequestValidator(self.tokenizer, self.limits)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.adapters: AdapterManager | None = None
+        if cfg.lora_enabled:
+            with self.report.phase("adapters"):
+                self.adapters = AdapterManager(self.model, self.model_config, self.device, self.dtype, cfg.max_loras,
+                                               cfg.max_lora_rank)
+                for name, path in cfg.lora_adapters:
+                    self.adapters.load(name, path)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.adapters)
         self.scheduler = Scheduler(cfg, self.pool, self.max_model_len)
         self.sampler = Sampler(default_seed=cfg.seed)
         eos = set(self.model_config.eos_token_id) | set(self.tokenizer.eos_token_ids)
@@ -145,11 +153,43 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                      request_id: str | None = None, priority: int = 0, interactive: bool = True,
-                     add_special_tokens: bool = True) -> EngineRequest:
+                     add_special_tokens: bool = True, lora: str | None = None) -> EngineRequest:
         """Validate and tokenize a request (no engine state touched: safe from any thread)."""
         params = params or SamplingParams()
+        if lora is not None:
+            self._adapter(lora)
         ids = self.validator.prompt_ids(prompt, params, priority, add_special_tokens=add_special_tokens)
-        return EngineRequest(request_id or f"req-{next(self._ids)}", ids, params, priority, interactive)
+        return EngineRequest(request_id or f"req-{next(self._ids)}", ids, params, priority, interactive, lora=lora)
+
+    def _adapter(self, name: str) -> int:
+        """The prefix-cache root of a loaded adapter (raises ``adapter_not_found``)."""
+        if self.adapters is None or not self.adapters.has(name):
+            loaded = ", ".join(sorted(self.adapters.host)) if self.adapters is not None else ""
+            raise AdapterNotFoundError(f"no LoRA adapter {name!r} is loaded" + (f" (loaded: {loaded})" if loaded else
+                                       "" if self.adapters is not None else "; this engine serves no adapters"),
+                                       param="model")
+        return self.adapters.roots[name]
+
+    # -- adapters -------------------------------------------------------------------------------
+    def load_adapter(self, name: str, path: str) -> dict:
+        """Read a PEFT LoRA folder and serve it as ``name`` (between steps; no request is disturbed)."""
+        if self.adapters is None:
+            raise InvalidRequestError("this engine was started without LoRA support (enable_lora)", param="lora_name",
+                                      code="lora_disabled")
+        self.adapters.load(name, path)
+        return next(a for a in self.adapters.view() if a["name"] == name)
+
+    def adapter_views(self) -> list[dict]:
+        return self.adapters.view() if self.adapters is not None else []
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving ``name``; refused while a request of it is unfinished."""
+        self._adapter(name)
+        busy = sum(1 for r in self.requests.values() if r.seq.lora == name)
+        if busy:
+            raise AdapterInUseError(f"adapter {name!r} has {busy} unfinished requests; unload it when they end",
+                                    param="lora_name")
+        self.adapters.unload(name)
 
     def add(self, req: EngineRequest) -> Sequence:
         """Queue a request; the engine's own ``Sequence`` for it is returned. ``req`` was validated by
@@ -158,6 +198,8 @@ class LLMEngine:
         ids = req.prompt_token_ids
         seq = Sequence(req.request_id, ids, req.params, priority=req.priority, interactive=req.interactive,
                        arrival_time=req.arrival_time, tenant=req.tenant, tenant_weight=req.tenant_weight)
+        if req.lora is not None:        # unloaded since its front end checked: refused, not run on the base
+            seq.lora, seq.cache_root = req.lora, self._adapter(req.lora)
         if req.params.seed is not None:
             seq.generator = torch.Generator().manual_seed(req.params.seed)
         self.enqueue(seq)

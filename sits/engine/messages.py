@@ -52,6 +52,7 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     tenant: str | None = None         # the fair-share group it is charged to (None: not ranked by it)
     tenant_weight: float = 1.0        # that group's share relative to the others
+    lora: str | None = None           # the LoRA adapter it runs with (None: the base model)
 
     def resumed(self, sent: list[int]) -> "EngineRequest":
         """The same request continued after ``sent`` output tokens (failover to another instance): the
@@ -99,7 +100,22 @@ class Shutdown:
     """The driver stops (an instance process exits)."""
 
 
-EngineInput = EngineRequest | AbortRequest | EmbedRequest | Ping | FaultDirectives | Shutdown
+@dataclass(frozen=True, slots=True)
+class LoadAdapter:
+    """Serve the LoRA adapter in the PEFT folder ``path`` as ``name`` (between steps)."""
+
+    request_id: str
+    name: str
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class UnloadAdapter:
+    request_id: str
+    name: str
+
+
+EngineInput = EngineRequest | AbortRequest | EmbedRequest | Ping | FaultDirectives | Shutdown | LoadAdapter | UnloadAdapter
 
 
 # -- outputs --------------------------------------------------------------------------------------------
@@ -187,7 +203,15 @@ class Pong:
     seq: int
 
 
-EngineOutput = StepOutput | RequestError | EngineStats | Embedded | Pong
+@dataclass(frozen=True, slots=True)
+class AdaptersChanged:
+    """The answer to ``LoadAdapter`` / ``UnloadAdapter``: the adapters served now (``AdapterManager.view``)."""
+
+    request_id: str
+    adapters: list[dict]
+
+
+EngineOutput = StepOutput | RequestError | EngineStats | Embedded | Pong | AdaptersChanged
 
 
 # -- an instance process's start-up handshake ------------------------------------------------------------
@@ -206,6 +230,7 @@ class Ready:
     limits: EngineLimits
     cold_start: dict
     inherited_weights: bool
+    adapters: list[dict] = field(default_factory=list)     # LoRA adapters loaded at start
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,8 +16,10 @@ from sits.engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device):
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device, adapters=None):
+        """``adapters``: the engine's ``AdapterManager`` when it serves LoRA adapters."""
         self.model = model
+        self.adapters = adapters
         self.kv = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
@@ -73,12 +75,29 @@ class ModelRunner:
         meta = AttentionMetadata(self._to(slots), prefills, d_index, d_tables, d_mask, d_window)
         return self._to(input_ids), self._to(positions), meta, (sample_rows, sample_idx)
 
+    def _bind_adapters(self, seqs: list[Sequence], num_new: list[int]) -> None:
+        """Each adapter of the step and the flat rows of its tokens."""
+        rows_of: dict[str, list[int]] = {}
+        start = 0
+        for seq, n in zip(seqs, num_new):
+            if seq.lora is not None:
+                rows_of.setdefault(seq.lora, []).extend(range(start, start + n))
+            start += n
+        self.adapters.bind(rows_of, start)
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Runs the step; returns float32 logits [S, vocab] for the S sequences that sample now,
         and their positions in ``batch.seqs``."""
         input_ids, positions, meta, (rows, sample_idx) = self.prepare(batch.seqs, batch.num_new)
-        hidden = self.model(input_ids, positions, self.kv.layers, meta)
+        if self.adapters is not None:
+            self._bind_adapters(batch.seqs, batch.num_new)
+            try:
+                hidden = self.model(input_ids, positions, self.kv.layers, meta)
+            finally:
+                self.adapters.unbind()
+        else:
+            hidden = self.model(input_ids, positions, self.kv.layers, meta)
         if not sample_idx:
             return torch.empty(0, self.model.config.vocab_size), rows
         logits = self.model.compute_logits(hidden[self._to(sample_idx)])

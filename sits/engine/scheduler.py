@@ -143,6 +143,14 @@ class Scheduler:
                 return False
         return True
 
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """A sequence of a LoRA adapter starts only while the running sequences use fewer than
+        ``max_loras`` adapters or already use its own (every step runs all of them)."""
+        if seq.lora is None:
+            return True
+        running = {s.lora for s in self.running if s.lora is not None}
+        return seq.lora in running or len(running) < self.cfg.max_loras
+
     def _admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         """Try to start (or continue) a waiting sequence's prefill; returns tokens scheduled."""
         self.kv.match_prefix(seq)
@@ -196,7 +204,7 @@ class Scheduler:
                     batch.add(seq, n)
                     budget -= n
                 continue
-            if len(self.running) >= self.cfg.max_num_seqs or not admission.fits(seq):
+            if len(self.running) >= self.cfg.max_num_seqs or not admission.fits(seq) or not self._adapter_fits(seq):
                 if policy.head_of_line:
                     break
                 continue

@@ -43,6 +43,8 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     tenant: str | None = None         # fair-share group (sits.engine.fair_share)
     tenant_weight: float = 1.0
+    lora: str | None = None           # its LoRA adapter (sits.engine.lora)
+    cache_root: int = NO_HASH         # the prefix cache's chain starts here: the base model's, or an adapter's
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -89,7 +91,7 @@ class Sequence:
 
     @property
     def parent_hash(self) -> int:
-        return self.block_hashes[-1] if self.block_hashes else NO_HASH
+        return self.block_hashes[-1] if self.block_hashes else self.cache_root
 
     @property
     def finished(self) -> bool:

@@ -23,12 +23,13 @@ from dataclasses import asdict
 
 import numpy as np
 
-from sits.engine.async_engine import events_until_finished
+from sits.engine.async_engine import AdapterCalls, events_until_finished
 from sits.engine.config import EngineConfig, generation_defaults
 from sits.engine.errors import DuplicateRequestError, EngineDeadError, ModelLoadError, RequestAbortedError, SitsError
-from sits.engine.messages import (AbortRequest, EmbedRequest, Embedded, EngineInput, EngineRequest, EngineStats, Fatal,
-                                  FaultDirectives, Hello, Ping, Pong, Ready, RequestError, Shutdown, StepOutput,
-                                  TokenEvent)
+from sits.engine.lora import AdapterNotFoundError
+from sits.engine.messages import (AbortRequest, AdaptersChanged, EmbedRequest, Embedded, EngineInput, EngineRequest,
+                                  EngineStats, Fatal, FaultDirectives, Hello, Ping, Pong, Ready,
+                                  RequestError, Shutdown, StepOutput, TokenEvent)
 from sits.engine.request_validator import RequestValidator
 from sits.engine.sampling_params import SamplingParams
 from sits.engine.tokenizer import Tokenizer
@@ -36,7 +37,7 @@ from sits.runtime.features import NO_FEATURES
 from sits.runtime.wire import FrameProtocol, encode
 
 
-class InstanceBackend:
+class InstanceBackend(AdapterCalls):
     def __init__(self, name: str, cfg: EngineConfig, proc: subprocess.Popen, conn: FrameProtocol,
                  info: Ready, tokenizer: Tokenizer, sock_dir: str):
         self.name = name
@@ -57,8 +58,9 @@ class InstanceBackend:
         self._conn = conn
         self._sock_dir = sock_dir
         self._streams: dict[str, asyncio.Queue] = {}
-        self._embeds: dict[str, asyncio.Future] = {}
-        self._embed_ids = itertools.count()
+        self._calls: dict[str, asyncio.Future] = {}       # embeddings and adapter changes, answered between steps
+        self._call_ids = itertools.count()
+        self.adapters: list[dict] = list(info.adapters)   # the LoRA adapters the instance serves
         self._stats: EngineStats | None = None
         self._dead: str | None = None
         self._closing = False
@@ -143,13 +145,15 @@ class InstanceBackend:
         return self._dead is None and not self._closing and self.proc.poll() is None
 
     def prepare(self, prompt: str | list[int], params: SamplingParams, *, request_id: str, priority: int = 0,
-                interactive: bool = True, add_special_tokens: bool = True) -> EngineRequest:
+                interactive: bool = True, add_special_tokens: bool = True, lora: str | None = None) -> EngineRequest:
         if self._dead is not None:
             raise EngineDeadError(f"the instance of {self.name} is gone: {self._dead}")
+        if lora is not None and not any(a["name"] == lora for a in self.adapters):
+            raise AdapterNotFoundError(f"no LoRA adapter {lora!r} is loaded on {self.name}", param="model")
         ids = self.validator.prompt_ids(prompt, params, priority, add_special_tokens=add_special_tokens)
         if request_id in self._streams:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        return EngineRequest(request_id, ids, params, priority, interactive)
+        return EngineRequest(request_id, ids, params, priority, interactive, lora=lora)
 
     async def stream(self, req: EngineRequest, hints=None) -> AsyncIterator[TokenEvent]:
         """``hints`` are for backends that route; one instance has nothing to choose."""
@@ -176,14 +180,20 @@ class InstanceBackend:
         """Mean-pooled hidden states, computed by the instance between two engine steps."""
         if self._dead is not None:
             raise EngineDeadError(f"the instance of {self.name} is gone: {self._dead}")
-        rid = f"embed-{next(self._embed_ids)}"
+        return await self._call(lambda rid: EmbedRequest(rid, inputs))
+
+    async def _call(self, message):
+        """Send ``message(rid)`` and wait for its answer (or its ``RequestError``)."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the instance of {self.name} is gone: {self._dead}")
+        rid = f"call-{next(self._call_ids)}"
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._embeds[rid] = fut
+        self._calls[rid] = fut
         try:
-            self._send(EmbedRequest(rid, inputs))
+            self._send(message(rid))
             return await fut
         finally:
-            self._embeds.pop(rid, None)
+            self._calls.pop(rid, None)
 
     def abort(self, request_id: str, error: SitsError | None = None) -> None:
         self._send(AbortRequest(request_id))
@@ -247,10 +257,10 @@ class InstanceBackend:
                 self._fail(err)
         elif isinstance(msg, EngineStats):
             self._stats = msg
-        elif isinstance(msg, Embedded):
-            fut = self._embeds.get(msg.request_id)
+        elif isinstance(msg, (Embedded, AdaptersChanged)):
+            fut = self._calls.get(msg.request_id)
             if fut is not None and not fut.done():
-                fut.set_result(msg.vectors)
+                fut.set_result(msg.vectors if isinstance(msg, Embedded) else msg.adapters)
         elif isinstance(msg, Pong):
             self.last_pong = time.monotonic()
             self._ping_sent = None
@@ -260,7 +270,7 @@ class InstanceBackend:
     def _fail(self, err: RequestError) -> None:
         if (q := self._streams.get(err.request_id)) is not None:
             q.put_nowait(err.to_exception())
-        elif (fut := self._embeds.get(err.request_id)) is not None and not fut.done():
+        elif (fut := self._calls.get(err.request_id)) is not None and not fut.done():
             fut.set_exception(err.to_exception())
 
     def _lost(self, reason: str) -> None:
@@ -272,7 +282,7 @@ class InstanceBackend:
             err = EngineDeadError(f"the instance of {self.name} died: {reason}")
             for q in self._streams.values():
                 q.put_nowait(err)
-            for fut in self._embeds.values():
+            for fut in self._calls.values():
                 if not fut.done():
                     fut.set_exception(err)
             if self.on_lost is not None:

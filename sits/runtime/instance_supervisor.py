@@ -56,6 +56,7 @@ class SupervisedInstance:
         self._restart: asyncio.Task | None = None
         self._restarted = asyncio.Event()
         self._closing = False
+        self._loaded: dict[str, str] = {}        # adapters loaded at run time (name -> folder)
         self._watch(first)
 
     @classmethod
@@ -93,7 +94,7 @@ class SupervisedInstance:
 
     # -- the Backend API --------------------------------------------------------------------------------
     def prepare(self, prompt: str | list[int], params: SamplingParams, *, request_id: str, priority: int = 0,
-                interactive: bool = True, add_special_tokens: bool = True) -> EngineRequest:
+                interactive: bool = True, add_special_tokens: bool = True, lora: str | None = None) -> EngineRequest:
         if self.restarting:
             cause = f" (last start failed: {self.last_start_error})" if self.last_start_error else ""
             err = EngineRestartingError(f"the engine of {self.name} died ({self.last_death}) and is restarting"
@@ -101,7 +102,21 @@ class SupervisedInstance:
             err.retry_after_s = 1
             raise err
         return self.current.prepare(prompt, params, request_id=request_id, priority=priority,
-                                    interactive=interactive, add_special_tokens=add_special_tokens)
+                                    interactive=interactive, add_special_tokens=add_special_tokens, lora=lora)
+
+    @property
+    def adapters(self) -> list[dict]:
+        return self.current.adapters
+
+    async def load_adapter(self, name: str, path: str) -> list[dict]:
+        out = await self.current.load_adapter(name, path)
+        self._loaded[name] = path          # loaded again into a restarted process
+        return out
+
+    async def unload_adapter(self, name: str) -> list[dict]:
+        out = await self.current.unload_adapter(name)
+        self._loaded.pop(name, None)
+        return out
 
     def stream(self, prepared: EngineRequest, hints=None) -> AsyncIterator[TokenEvent]:
         return self.current.stream(prepared)
@@ -160,6 +175,11 @@ class SupervisedInstance:
                           self.name, self.last_start_error, self._delay)
                 await self._back_off()
                 continue
+            for adapter, path in self._loaded.items():
+                try:
+                    await new.load_adapter(adapter, path)
+                except SitsError as e:
+                    log.error("adapter %s of %s could not be loaded again after the restart: %s", adapter, self.name, e)
             self._watch(new)
             self.current = new
             self._up_since = time.monotonic()

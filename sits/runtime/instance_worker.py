@@ -79,7 +79,7 @@ def serve_instance(cfg_dict: dict, sock_path: str, preloaded=None, listener: soc
         send_blocking(conn, Fatal("model_load_failed", f"{type(e).__name__}: {e}"))
         return 2
     send_blocking(conn, Ready(pid=os.getpid(), limits=engine.limits, cold_start=engine.report.to_dict(),
-                              inherited_weights=engine.inherited_weights))
+                              inherited_weights=engine.inherited_weights, adapters=engine.adapter_views()))
     return _loop(EngineCore(engine), conn)
 
 

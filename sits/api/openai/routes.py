@@ -95,24 +95,30 @@ def wants_stream_meta(request: Request) -> bool:
 # -- routes ---------------------------------------------------------------------------------------
 @router.get("/v1/models", response_model=ModelList, tags=["openai"], responses=ERRORS)
 async def list_models(request: Request) -> ModelList:
-    reg = context_of(request).registry
+    return ModelList(data=_cards(context_of(request).registry))
+
+
+def _cards(reg) -> list[ModelCard]:
+    """The models the caller may call, each followed by its LoRA adapters (``<parent>:<adapter>``)."""
     visible = set(reg.visible())
-    return ModelList(data=[_card(b) for b in reg.all() if b.name in visible])
-
-
-def _card(b: Backend) -> ModelCard:
-    return ModelCard(id=b.name, created=b.created, max_model_len=b.max_model_len, root=b.root)
+    out = []
+    for b in reg.all():
+        if b.name not in visible:
+            continue
+        out.append(ModelCard(id=b.name, created=b.created, max_model_len=b.max_model_len, root=b.root))
+        out += [ModelCard(id=f"{b.name}:{a['name']}", created=b.created, max_model_len=b.max_model_len,
+                          root=a["path"], parent=b.name) for a in getattr(b, "adapters", None) or []]
+    return out
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, tags=["openai"], responses=ERRORS)
 async def retrieve_model(model_id: str, request: Request) -> ModelCard:
-    reg = context_of(request).registry
-    visible = reg.visible()
-    for b in reg.all():
-        if b.name == model_id and b.name in visible:
-            return _card(b)
+    cards = _cards(context_of(request).registry)
+    for card in cards:
+        if card.id == model_id:
+            return card
     raise ModelNotFoundError(f"the model {clip(model_id)} does not exist; served: "
-                             f"{', '.join(sorted(visible)) or 'none'}", param="model")
+                             f"{', '.join(c.id for c in cards) or 'none'}", param="model")
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, tags=["openai"],
