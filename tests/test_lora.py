@@ -293,3 +293,44 @@ def test_served_logprobs_match_peft_on_smollm2(tmp_path):
     want = steps.gather(1, torch.tensor(tokens)[:, None])[:, 0]
     assert (torch.tensor(logprobs) - want).abs().max().item() <= 1e-4
     assert (_reference(hf, prompt, tokens) - steps).abs().max().item() > 1e-2    # the adapter does change them
+
+
+def test_a_unit_serves_adapters_declared_and_loaded_at_run_time(tiny_model_dir, tmp_path):
+    """Through `sits up`'s gateway: a unit's declared adapter, one loaded while an instance runs, and the
+    same adapter served again by an instance started after the load (scaled to zero and back)."""
+    import httpx
+
+    from sits.modelbuild.lora import build_random_adapter
+    from test_gateway import start_gateway, unit, wait_for
+    for name, seed in (("ad1", 1), ("ad2", 2)):
+        build_random_adapter(tiny_model_dir, tmp_path / name, rank=8, seed=seed, std=0.2)
+    spec = unit("lorau", tiny_model_dir).model_copy(update={"adapters": {"ad1": str(tmp_path / "ad1")}})
+    srv, gw = start_gateway(tmp_path / "data", [spec])
+    url = srv.url
+    try:
+        def text(model: str) -> str:
+            r = httpx.post(f"{url}/v1/completions", timeout=120,
+                           json={"model": model, "prompt": [5, 6, 7, 8, 9], "max_tokens": 10, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        base, ad1 = text("lorau"), text("lorau:ad1")
+        assert ad1 != base and text("ad1") == ad1
+        ids = [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
+        assert "lorau:ad1" in ids
+        r = httpx.post(f"{url}/v1/units/lorau/adapters/ad2", json={"path": str(tmp_path / "ad2")})
+        assert r.status_code == 201, r.text
+        ad2 = text("lorau:ad2")
+        assert ad2 not in (base, ad1)
+        # a fresh instance gets both: the declared one and the one loaded at run time
+        assert httpx.post(f"{url}/v1/units/lorau/scale", json={"instances": 0}).status_code == 200
+        wait_for(lambda: httpx.get(f"{url}/v1/units/lorau").json()["instances"] == [], what="scale to zero")
+        assert text("lorau:ad2") == ad2 and text("lorau:ad1") == ad1
+        r = httpx.delete(f"{url}/v1/units/lorau/adapters/ad2")
+        assert r.status_code == 200, r.text
+        r = httpx.post(f"{url}/v1/completions", json={"model": "lorau:ad2", "prompt": [5], "max_tokens": 2})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        r = httpx.post(f"{url}/v1/units/lorau/adapters/bad", json={"path": str(tmp_path)})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_adapter"
+    finally:
+        srv.stop()

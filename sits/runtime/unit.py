@@ -8,6 +8,7 @@ will report). Which instance serves a request is its ``UnitDispatcher``'s busine
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import os
@@ -16,9 +17,11 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from sits.engine.config import ModelConfig, generation_defaults
 from sits.engine.errors import InvalidRequestError, ModelLoadError, SitsError
+from sits.engine.lora import AdapterExistsError, AdapterNotFoundError, load_adapter
 from sits.engine.messages import EngineRequest, EngineStats, TokenEvent
 from sits.engine.request_validator import RequestValidator, plan_limits
 from sits.engine.sampling_params import SamplingParams
@@ -36,6 +39,12 @@ from sits.runtime.dispatcher import UnitDispatcher
 
 if TYPE_CHECKING:
     from sits.runtime.gateway import UnitHost
+
+
+
+class LoraDisabledError(SitsError):
+    code = "lora_disabled"
+    http_status = 400
 
 log = logging.getLogger("sits.runtime")
 MEMORY_ACCOUNT_INTERVAL_S = 60.0     # a live instance's memory-time is apportioned this often
@@ -77,7 +86,7 @@ class UnitBackend:
         weight_bytes = shape.weight_params * (1 if spec.resources.quantization == "int8" else shape.kv_bytes_per_elem)
         self.footprint_bytes = weight_bytes + self.limits.kv_capacity_tokens * shape.kv_bytes_per_token
         self._memory_accounted_at = time.monotonic()
-        self.pool = UnitPool(spec, on_event=lambda kind, data: host.record(spec.name, kind, data),
+        self.pool = UnitPool(spec, on_event=self._pool_event,
                              launcher=host.launcher, tokenizer=self.tokenizer, limits=self.limits,
                              footprint_bytes=self.footprint_bytes,
                              on_stopped=lambda inst: self._account_memory(inst, final=True))
@@ -148,14 +157,84 @@ class UnitBackend:
         return True      # a unit accepts requests at any scale; a cold one makes them wait
 
     def prepare(self, prompt: str | list[int], params: SamplingParams, *, request_id: str, priority: int = 0,
-                interactive: bool = True, add_special_tokens: bool = True) -> EngineRequest:
+                interactive: bool = True, add_special_tokens: bool = True, lora: str | None = None) -> EngineRequest:
+        if lora is not None and lora not in self.spec.adapters:
+            raise AdapterNotFoundError(f"unit {self.name} serves no LoRA adapter {lora!r}", param="model")
         if isinstance(prompt, str) and self.spec.prompt_template is not None:
             prompt = self.spec.render_prompt(prompt)
         ids = self.validator.prompt_ids(prompt, params, priority, add_special_tokens=add_special_tokens)
         if self.dispatcher.in_use(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id",
                                       code="duplicate_request_id")
-        return EngineRequest(request_id, ids, params, priority, interactive)
+        return EngineRequest(request_id, ids, params, priority, interactive, lora=lora)
+
+    # -- LoRA adapters --------------------------------------------------------------------------------
+    @property
+    def adapters(self) -> list[dict]:
+        return [{"name": n, "path": p} for n, p in self.spec.adapters.items()]
+
+    def _set_adapters(self, adapters: dict[str, str]) -> None:
+        """The unit's adapters from now on: what every instance that starts later loads."""
+        self.spec = self.pool.spec = self.spec.model_copy(update={"adapters": adapters})
+
+    async def load_adapter(self, name: str, path: str) -> list[dict]:
+        """Serve a LoRA adapter on every running instance now and every instance started later."""
+        if name in self.spec.adapters:
+            raise AdapterExistsError(f"unit {self.name} serves an adapter {name!r} already; unload it first",
+                                     param="lora_name")
+        ready = self.pool.ready()
+        if not ready:       # nobody to read it now: checked here, so a bad folder is refused at once
+            mc = ModelConfig.from_dir(self.spec.model)
+            await asyncio.to_thread(load_adapter, name, path, mc, torch.float32, self.spec.resources.max_lora_rank)
+        done = []
+        try:
+            for inst in ready:
+                await inst.backend.load_adapter(name, path)
+                done.append(inst)
+        except SitsError as e:
+            for inst in done:
+                await inst.backend.unload_adapter(name)
+            if e.code == "lora_disabled":
+                raise LoraDisabledError(f"unit {self.name} runs without LoRA support: deploy it with "
+                                        f"resources.lora: true (or declare adapters:)", param="lora_name") from None
+            raise
+        self._set_adapters({**self.spec.adapters, name: path})
+        self.host.record(self.name, "adapter_loaded", {"adapter": name, "path": path, "instances": len(done)})
+        return self.adapters
+
+    async def unload_adapter(self, name: str) -> list[dict]:
+        if name not in self.spec.adapters:
+            raise AdapterNotFoundError(f"unit {self.name} serves no LoRA adapter {name!r}", param="lora_name")
+        path = self.spec.adapters[name]
+        done = []
+        try:
+            for inst in self.pool.ready():
+                await inst.backend.unload_adapter(name)
+                done.append(inst)
+        except SitsError:
+            for inst in done:       # one instance still runs requests of it: all keep it
+                await inst.backend.load_adapter(name, path)
+            raise
+        self._set_adapters({n: p for n, p in self.spec.adapters.items() if n != name})
+        self.host.record(self.name, "adapter_unloaded", {"adapter": name})
+        return self.adapters
+
+    def _pool_event(self, kind: str, data: dict) -> None:
+        self.host.record(self.name, kind, data)
+        if kind == "instance_ready":        # started with the adapters of its start: any loaded since are added
+            inst = next((i for i in self.pool.ready() if i.id == data.get("instance")), None)
+            if inst is not None:
+                missing = {n: p for n, p in self.spec.adapters.items()
+                           if n not in {a["name"] for a in inst.backend.adapters}}
+                if missing:
+                    asyncio.get_running_loop().create_task(self._add_adapters(inst, missing))
+
+    async def _add_adapters(self, inst, adapters: dict[str, str]) -> None:
+        for name, path in adapters.items():
+            try:
+                await inst.backend.load_adapter(name, path)
+            except SitsError as e:
+                log.error("unit %s: instance %s could not load adapter %s: %s", self.name, inst.id, name, e)
 
     def stream(self, seq: EngineRequest, hints: RequestHints | None = None) -> AsyncIterator[TokenEvent]:
         """Which instance serves it, with failover as a resume: the dispatcher's (``dispatcher.py``)."""

@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 import jinja2.sandbox
 import yaml
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+                      StringConstraints, model_validator)
 
 from sits.engine.config import EngineConfig
 from sits.engine.errors import SitsError
@@ -36,6 +36,7 @@ from sits.runtime.trigger import TriggerError, parse_trigger
 from sits.tenancy.spec import PricingSpec
 
 UNIT_NAME = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"      # no ':' (model "<unit>:<adapter>") or '/'
 
 
 class _Strict(BaseModel):
@@ -89,6 +90,9 @@ class ResourcesSpec(_Strict):
     policy: Literal["pfsd", "fcfs"] = "pfsd"
     warmup: bool | Literal["all", "minimal"] = Field(
         "all", description="warm-up at start: all serving shapes, minimal (one prefill, one decode), or false")
+    lora: bool = Field(False, description="accept LoRA adapters loaded at run time (implied by adapters:)")
+    max_loras: int = Field(4, ge=1, le=256, description="LoRA adapters resident, and in one step, at most")
+    max_lora_rank: int = Field(64, ge=1, le=4096)
     cpu_quota: float | None = Field(None, gt=0, le=1024,
                                     description="CPU cores per instance (cgroup quota where the host allows it, "
                                                 "a thread cap otherwise)")
@@ -162,6 +166,9 @@ class UnitSpec(_Strict):
                                           description="host directory behind each guest directory a tool declares")
     python_tools: bool = Field(False, description="allow tools with runtime: python (a subprocess, not a sandbox)")
     memory: MemorySpec | None = Field(None, description="retrieval for every request (a RAG unit)")
+    adapters: dict[Annotated[str, StringConstraints(pattern=ADAPTER_NAME)], str] = Field(
+        default_factory=dict, description="LoRA adapters it serves: name -> PEFT folder (relative to the YAML); "
+                                          "called as model '<unit>:<name>' or '<name>'")
     pricing: PricingSpec = Field(default_factory=PricingSpec,
                                  description="cost units per token, PFLOP and GB-hour (tenants' usage and budgets)")
     sampling: SamplingDefaultsSpec = Field(default_factory=SamplingDefaultsSpec,
@@ -201,7 +208,8 @@ class UnitSpec(_Strict):
                             kv_cache_memory_mb=r.kv_cache_mb, max_model_len=r.max_model_len,
                             warmup=r.warmup is not False,
                             warmup_shapes="minimal" if r.warmup == "minimal" else "all",
-                            quantization=r.quantization)
+                            quantization=r.quantization, lora_adapters=tuple(self.adapters.items()),
+                            enable_lora=r.lora, max_loras=r.max_loras, max_lora_rank=r.max_lora_rank)
 
     def render_prompt(self, user_input: str) -> str:
         if self.prompt_template is None:
@@ -343,6 +351,8 @@ def _resolve_models(units: list[UnitSpec], base: Path) -> None:
                        os.path.expanduser(h) for g, h in u.tool_dirs.items()}
         if u.memory is not None and u.memory.ingest and not os.path.isabs(os.path.expanduser(u.memory.ingest)):
             u.memory.ingest = str((base / u.memory.ingest).resolve())
+        u.adapters = {n: str((base / p).resolve()) if not os.path.isabs(os.path.expanduser(p)) else
+                      os.path.expanduser(p) for n, p in u.adapters.items()}
         if not os.path.isabs(os.path.expanduser(u.model)):
             u.model = str((base / u.model).resolve())
         else:
