@@ -56,7 +56,9 @@ def adapters(base, tmp_path_factory):
     made = {"a": make_adapter(hf, root / "a", 1),
             "b": make_adapter(hf, root / "b", 2, targets=["q_proj", "v_proj"], r=4, alpha=8),
             "c": make_adapter(hf, root / "c", 3, targets=["o_proj", "down_proj", "up_proj"], r=16, alpha=4,
-                              use_rslora=True)}
+                              use_rslora=True),
+            "d": make_adapter(hf, root / "d", 4, r=4, alpha=8, rank_pattern={"mlp.down_proj": 2},
+                              alpha_pattern={"self_attn.q_proj": 32, "layers.1.mlp.up_proj": 2})}
     return root, made
 
 
@@ -87,7 +89,7 @@ def _reference(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     return ref[len(prompt) - 1:-1]
 
 
-@pytest.mark.parametrize("name", ["a", "b", "c"])
+@pytest.mark.parametrize("name", ["a", "b", "c", "d"])
 def test_served_logprobs_match_peft(base, adapters, name):
     """Chunked prefill through block tables, then decodes, on an adapter: PEFT's logprobs within 1e-4."""
     path, _ = base
@@ -188,6 +190,17 @@ def test_adapters_that_do_not_fit_are_refused(base, adapters, tmp_path):
         eng.load_adapter("dora", str(tmp_path / "dora"))
     with pytest.raises(InvalidAdapterError, match="not a PEFT adapter"):
         eng.load_adapter("empty", str(tmp_path))
+    # files that are not what they say: refused, the engine serves on
+    broken = tmp_path / "broken"
+    shutil.copytree(root / "a", broken)
+    (broken / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(InvalidAdapterError, match="cannot be read"):
+        eng.load_adapter("broken", str(broken))
+    (broken / "adapter_model.safetensors").write_bytes((root / "a" / "adapter_model.safetensors").read_bytes())
+    (broken / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "lora_alpha": "sixteen"}))
+    with pytest.raises(InvalidAdapterError):
+        eng.load_adapter("broken", str(broken))
+    assert _run(eng, [(_prompt(1), None)])[0][0]
     cfg = json.loads((root / "a" / "adapter_config.json").read_text())
     assert cfg["peft_type"] == "LORA"
     with pytest.raises(AdapterNotFoundError):
@@ -334,3 +347,26 @@ def test_a_unit_serves_adapters_declared_and_loaded_at_run_time(tiny_model_dir, 
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_adapter"
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("policy", ["pfsd", "fcfs"])
+def test_an_adapter_in_steady_use_does_not_keep_another_out(base, adapters, policy):
+    """max_loras 1 and a stream of requests on adapter a: the request on b still runs (the running
+    adapter gets no new sequences while b waits for its slot), and a's traffic goes on after it."""
+    path, _ = base
+    root, _ = adapters
+    eng = _engine(path, root, ["a", "b"], max_loras=1, policy=policy)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        eng.add(eng.make_request(_prompt(30 + i, 12), params, lora="a"))
+    other = eng.add(eng.make_request(_prompt(40, 12), params, lora="b"))
+    done_a = 0
+    for step in range(400):
+        for ev in eng.step():
+            if ev.finished and ev.request_id != other.request_id:
+                done_a += 1
+                eng.add(eng.make_request(_prompt(50 + step, 12), params, lora="a"))    # a never stops
+        if other.finished:
+            break
+    assert other.finished and len(other.output_token_ids) == 6
+    assert done_a >= 3

@@ -139,6 +139,10 @@ class AdapterBackend:
     def prepare(self, prompt, params, *, lora: str | None = None, **kw) -> EngineRequest:
         return self.parent.prepare(prompt, params, lora=self.adapter, **kw)
 
+    async def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        raise InvalidRequestError(f"{self.name} is a LoRA adapter: embeddings come from its base model "
+                                  f"{self.parent.name}", param="model", code="adapter_embeddings_unsupported")
+
     def admit(self) -> "AdapterBackend":
         admitted = self.parent.admit()
         return self if admitted is self.parent else AdapterBackend(admitted, self.adapter)
@@ -179,14 +183,15 @@ class BackendRegistry:
             raise ModelNotFoundError(f"the model {clip(name)} does not exist; served: "
                                      f"{', '.join(sorted(self.visible())) or 'none'}", param="model")
         principal = current_principal.get()
-        if not (principal.may_call(name) or isinstance(backend, AdapterBackend) and principal.may_call(backend.parent.name)):
+        if not (principal.may_call(name) or isinstance(backend, AdapterBackend)
+                and (principal.may_call(backend.name) or principal.may_call(backend.parent.name))):
             raise ModelNotAllowedError(f"this API key may not call {clip(name)}; it may call: "
                                        f"{', '.join(sorted(self.visible())) or 'nothing served now'}", param="model")
         return backend.admit()
 
     def _adapter(self, name: str) -> AdapterBackend | None:
         """``<parent>:<adapter>``, or an adapter's own name where one backend serves it."""
-        parent_name, sep, adapter = name.partition(":")
+        parent_name, sep, adapter = name.rpartition(":")      # adapter names hold no ':' (unit names may)
         if sep:
             parent = self._by_name.get(parent_name)
             return AdapterBackend(parent, adapter) if parent is not None and adapter in adapter_names(parent) else None

@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sits.cli import bench, control, model, serve, tenants, tools
+from sits.cli import bench, control, finetune, model, serve, tenants, tools
 from sits.cli.control import DEFAULT_URL, _gateway_url  # noqa: F401  (tests read them here)
 from sits.engine.errors import SitsError
 
-_GROUPS = (model, serve, control, tenants, tools, bench)
+_GROUPS = (model, serve, control, tenants, tools, finetune, bench)
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):

@@ -55,6 +55,9 @@ class EngineCore:
                     self.engine.unload_adapter(msg.name)
             except SitsError as e:
                 return [RequestError.of(msg.request_id, e)]
+            except Exception as e:     # noqa: BLE001 - one adapter's problem never takes the engine down
+                return [RequestError.of(msg.request_id, SitsError(
+                    f"the adapter {msg.name!r} could not be changed: {type(e).__name__}: {e}"))]
             return [AdaptersChanged(msg.request_id, self.engine.adapter_views())]
         elif isinstance(msg, Ping):
             if not self._faults.drop_pings:

@@ -34,7 +34,7 @@ from sits.engine.config import ModelConfig
 from sits.engine.errors import InvalidRequestError, SitsError
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 Weights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]    # (layer, module) -> (A [r, in], B·s [out, r])
 
@@ -85,7 +85,18 @@ def _alpha_for(module_path: str, cfg: dict) -> float:
 
 def load_adapter(name: str, path: str | Path, mc: ModelConfig, dtype: torch.dtype, max_rank: int) -> LoraAdapter:
     """Read a PEFT LoRA folder into host memory (the update's scale folded into B), checked against
-    the base model's shapes; ``InvalidAdapterError`` says what does not fit."""
+    the base model's shapes; ``InvalidAdapterError`` says what does not fit, whatever is wrong with
+    the files (a corrupt tensor file or a config of the wrong types included)."""
+    try:
+        return _load_adapter(name, path, mc, dtype, max_rank)
+    except SitsError:
+        raise
+    except Exception as e:   # noqa: BLE001 - safetensors' own errors, a string where a number belongs...
+        raise InvalidAdapterError(f"adapter {name!r} in {path} cannot be read: {type(e).__name__}: {e}",
+                                  param="lora_path") from None
+
+
+def _load_adapter(name: str, path: str | Path, mc: ModelConfig, dtype: torch.dtype, max_rank: int) -> LoraAdapter:
     folder = Path(path)
     cfg_path, weights_path = folder / "adapter_config.json", folder / "adapter_model.safetensors"
     if not cfg_path.is_file() or not weights_path.is_file():
@@ -95,6 +106,8 @@ def load_adapter(name: str, path: str | Path, mc: ModelConfig, dtype: torch.dtyp
         cfg = json.loads(cfg_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise InvalidAdapterError(f"{cfg_path}: {e}", param="lora_path") from None
+    if not isinstance(cfg, dict):
+        raise InvalidAdapterError(f"{cfg_path}: not a JSON object", param="lora_path")
     if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
         raise InvalidAdapterError(f"adapter {name!r} is a {cfg.get('peft_type')} adapter; only LoRA is served",
                                   param="lora_path")
@@ -111,6 +124,7 @@ def load_adapter(name: str, path: str | Path, mc: ModelConfig, dtype: torch.dtyp
     shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
               "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    blocks: dict[tuple[int, str], str] = {}
     with safe_open(str(weights_path), "pt") as f:
         for key in f.keys():
             m = _KEY.search(key)
@@ -118,11 +132,12 @@ def load_adapter(name: str, path: str | Path, mc: ModelConfig, dtype: torch.dtyp
                 raise InvalidAdapterError(f"adapter {name!r}: tensor {key!r} is not a LoRA matrix of a decoder "
                                           f"layer's projection (embeddings and the LM head are not supported)",
                                           param="lora_path")
-            layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+            layer, block, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
             if module not in shapes or layer >= mc.num_hidden_layers:
                 raise InvalidAdapterError(f"adapter {name!r} adapts {module} of layer {layer}; this model has "
                                           f"{mc.num_hidden_layers} layers of {', '.join(TARGETS)}", param="lora_path")
             pairs.setdefault((layer, module), {})[ab] = f.get_tensor(key)
+            blocks[(layer, module)] = block
     if not pairs:
         raise InvalidAdapterError(f"adapter {name!r} has no LoRA weights", param="lora_path")
     weights: Weights = {}
@@ -134,6 +149,8 @@ def load_adapter(name: str, path: str | Path, mc: ModelConfig, dtype: torch.dtyp
                                       param="lora_path")
         a, b = ab["A"], ab["B"]
         n_in, n_out = shapes[module]
+        if a.dim() != 2 or b.dim() != 2:
+            raise InvalidAdapterError(f"adapter {name!r}: layer {layer} {module}: LoRA matrices must be 2-D", param="lora_path")
         r = a.shape[0]
         if a.shape != (r, n_in) or b.shape != (n_out, r):
             raise InvalidAdapterError(f"adapter {name!r}: layer {layer} {module} has A {tuple(a.shape)}, B "
@@ -142,7 +159,7 @@ def load_adapter(name: str, path: str | Path, mc: ModelConfig, dtype: torch.dtyp
         if r > max_rank:
             raise InvalidAdapterError(f"adapter {name!r} has rank {r}; this engine serves ranks up to {max_rank} "
                                       f"(max_lora_rank)", param="lora_path")
-        alpha = _alpha_for(f"model.layers.{layer}.{module}", cfg)
+        alpha = _alpha_for(f"model.layers.{layer}.{blocks[(layer, module)]}.{module}", cfg)
         alphas.add(alpha)
         scale = alpha / (math.sqrt(r) if rslora else r)
         weights[(layer, module)] = (a.to(dtype).contiguous(), (b.float() * scale).to(dtype).contiguous())

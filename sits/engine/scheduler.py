@@ -143,13 +143,24 @@ class Scheduler:
                 return False
         return True
 
-    def _adapter_fits(self, seq: Sequence) -> bool:
+    def _adapter_fits(self, seq: Sequence, drain: bool = False) -> bool:
         """A sequence of a LoRA adapter starts only while the running sequences use fewer than
-        ``max_loras`` adapters or already use its own (every step runs all of them)."""
+        ``max_loras`` adapters or already use its own (every step runs all of them). ``drain``: a
+        waiting sequence's adapter cannot start, so running adapters get no new sequences until one
+        of them has none left (else an adapter in steady use would keep it out forever)."""
         if seq.lora is None:
             return True
         running = {s.lora for s in self.running if s.lora is not None}
-        return seq.lora in running or len(running) < self.cfg.max_loras
+        if seq.lora in running:
+            return not drain
+        return len(running) < self.cfg.max_loras
+
+    def _adapters_blocked(self) -> bool:
+        if not any(s.lora is not None for s in self.waiting):
+            return False
+        running = {s.lora for s in self.running if s.lora is not None}
+        return len(running) >= self.cfg.max_loras and any(
+            s.lora is not None and s.lora not in running for s in self.waiting)
 
     def _admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         """Try to start (or continue) a waiting sequence's prefill; returns tokens scheduled."""
@@ -193,6 +204,7 @@ class Scheduler:
         if batch.preempted and not policy.admits_under_pressure:
             return batch
         admission = policy.admission(self, now)
+        drain = self._adapters_blocked()
         for seq in admission.candidates:
             if budget <= 0:
                 break
@@ -204,7 +216,8 @@ class Scheduler:
                     batch.add(seq, n)
                     budget -= n
                 continue
-            if len(self.running) >= self.cfg.max_num_seqs or not admission.fits(seq) or not self._adapter_fits(seq):
+            if len(self.running) >= self.cfg.max_num_seqs or not admission.fits(seq) or \
+                    not self._adapter_fits(seq, drain):
                 if policy.head_of_line:
                     break
                 continue

@@ -11,6 +11,7 @@ before; under ``sits up`` the gateway resumes them on another instance instead.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -56,7 +57,7 @@ class SupervisedInstance:
         self._restart: asyncio.Task | None = None
         self._restarted = asyncio.Event()
         self._closing = False
-        self._loaded: dict[str, str] = {}        # adapters loaded at run time (name -> folder)
+        self._adapters: dict[str, str] = dict(first.cfg.lora_adapters)    # served now: a restart starts with them
         self._watch(first)
 
     @classmethod
@@ -110,12 +111,12 @@ class SupervisedInstance:
 
     async def load_adapter(self, name: str, path: str) -> list[dict]:
         out = await self.current.load_adapter(name, path)
-        self._loaded[name] = path          # loaded again into a restarted process
+        self._adapters[name] = path          # what a restarted process starts with
         return out
 
     async def unload_adapter(self, name: str) -> list[dict]:
         out = await self.current.unload_adapter(name)
-        self._loaded.pop(name, None)
+        self._adapters.pop(name, None)
         return out
 
     def stream(self, prepared: EngineRequest, hints=None) -> AsyncIterator[TokenEvent]:
@@ -168,18 +169,15 @@ class SupervisedInstance:
         while not self._closing:
             t0 = time.monotonic()
             try:
-                new = await InstanceBackend.spawn(dead.cfg, self.name, tokenizer=self.tokenizer)
+                cfg = dataclasses.replace(dead.cfg, lora_adapters=tuple(self._adapters.items()),
+                                          enable_lora=dead.cfg.lora_enabled)
+                new = await InstanceBackend.spawn(cfg, self.name, tokenizer=self.tokenizer)
             except Exception as e:  # noqa: BLE001 - retried with backoff; requests meanwhile get engine_restarting
                 self.last_start_error = f"{type(e).__name__}: {e}"
                 log.error("restarting the engine of %s failed (%s); next try in %.1f s",
                           self.name, self.last_start_error, self._delay)
                 await self._back_off()
                 continue
-            for adapter, path in self._loaded.items():
-                try:
-                    await new.load_adapter(adapter, path)
-                except SitsError as e:
-                    log.error("adapter %s of %s could not be loaded again after the restart: %s", adapter, self.name, e)
             self._watch(new)
             self.current = new
             self._up_since = time.monotonic()
