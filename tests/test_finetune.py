@@ -154,3 +154,81 @@ def test_the_restart_benchmark_runs(tiny_model_dir, tmp_path):
     r = run_finetune_bench(tiny_model_dir, rounds=1, steps_before=2, docs_out=str(tmp_path / "b.md"))
     assert set(r["seconds"]) == set(CASES) and all(v > 0 for v in r["seconds"].values())
     assert r["forked_vs_cold"] < 1.0 and "sits bench finetune" in (tmp_path / "b.md").read_text()
+
+
+def test_a_finetune_job_on_the_gateway_trains_reports_and_serves(tiny_model_dir, dataset, tmp_path):
+    """POST /v1/finetune/jobs (a kind: finetune spec) on `sits up`'s gateway: its events stream as SSE
+    until it is served, and the unit it names serves the adapter; a bad spec is a 400."""
+    import httpx
+
+    from test_gateway import start_gateway, unit
+    spec = unit("chat", tiny_model_dir).model_copy(deep=True)
+    spec.resources.lora = True
+    srv, gw = start_gateway(tmp_path / "data", [spec])
+    url = srv.url
+    try:
+        job = {"kind": "finetune", "name": "fruit", "model": tiny_model_dir, "dataset": str(dataset), "rank": 4,
+               "alpha": 8, "steps": 4, "batch_size": 2, "learning_rate": 1e-2, "snapshot_every": 2,
+               "serve_into": "chat"}
+        r = httpx.post(f"{url}/v1/finetune/jobs", json=job)
+        assert r.status_code == 201 and r.json()["state"] == "queued", r.text
+        again = httpx.post(f"{url}/v1/finetune/jobs", json=job)
+        assert again.status_code == 409 and again.json()["error"]["code"] == "job_active"
+        states = []
+        with httpx.stream("GET", f"{url}/v1/finetune/jobs/fruit/events", timeout=300) as s:
+            for line in s.iter_lines():
+                if line.startswith("event: "):
+                    states.append(line[len("event: "):])
+        assert states[0] == "queued" and states[-1] == "served", states
+        assert "running" in states and states.count("checkpointed") == 2 and "done" in states
+        view = httpx.get(f"{url}/v1/finetune/jobs/fruit").json()
+        assert view["state"] == "served" and view["step"] == 4 and view["loss"] is not None
+        r = httpx.post(f"{url}/v1/completions", timeout=120,
+                       json={"model": "chat:fruit", "prompt": "colour red", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        # the same through the CLI: submitted, followed, served under a second name
+        import subprocess
+        import sys
+        import yaml
+        (tmp_path / "job.yaml").write_text(yaml.safe_dump({**job, "name": "fruit2"}))
+        run = subprocess.run([sys.executable, "-m", "sits.cli", "finetune", "--config", str(tmp_path / "job.yaml"),
+                              "--submit", "--url", url], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert json.loads(run.stdout.strip().splitlines()[-1])["state"] == "served"
+        bad = httpx.post(f"{url}/v1/finetune/jobs", json={**job, "name": "x", "targets": ["lm_head"]})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_job"
+        assert httpx.get(f"{url}/v1/finetune/jobs/nope").status_code == 404
+    finally:
+        srv.stop()
+
+
+def test_a_running_finetune_job_is_cancelled(tiny_model_dir, dataset, tmp_path):
+    import os
+
+    import httpx
+
+    from test_gateway import start_gateway, wait_for
+    srv, gw = start_gateway(tmp_path / "data", [])
+    url = srv.url
+    try:
+        job = {"name": "long", "model": tiny_model_dir, "dataset": str(dataset), "steps": 100000, "batch_size": 2,
+               "snapshot_every": 1}
+        assert httpx.post(f"{url}/v1/finetune/jobs", json=job).status_code == 201
+        wait_for(lambda: httpx.get(f"{url}/v1/finetune/jobs/long").json()["step"] >= 1, timeout=120,
+                 what="the job to train a step")
+        assert httpx.delete(f"{url}/v1/finetune/jobs/long").json()["state"] == "cancelled"
+        proc = gw.finetune.jobs["long"].proc
+        wait_for(lambda: proc.returncode is not None, timeout=30, what="the job's process to end")
+        attempt = int((tmp_path / "data" / "finetune" / "long" / "attempt.pid").read_text())
+
+        def gone() -> bool:
+            try:
+                os.kill(attempt, 0)
+            except ProcessLookupError:
+                return True
+            return open(f"/proc/{attempt}/stat").read().split()[2] == "Z"     # exited, not yet reaped
+        wait_for(gone, timeout=30, what="the job's training attempt to end with it")
+        listed = httpx.get(f"{url}/v1/finetune/jobs").json()["data"]
+        assert [j["state"] for j in listed] == ["cancelled"]
+    finally:
+        srv.stop()

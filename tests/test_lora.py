@@ -161,6 +161,7 @@ def test_load_and_unload_while_serving(base, adapters):
     assert view["rank"] == 4 and view["targets"] == ["q_proj", "v_proj"]
     seq = eng.add(eng.make_request(_prompt(8), params, lora="b"))
     eng.step()
+    assert seq.num_computed_tokens > 0            # on the new adapter within the first step after the load
     with pytest.raises(AdapterInUseError):
         eng.unload_adapter("b")
     while eng.has_unfinished:

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from sits.api import admin_routes, control_routes
+from sits.api import admin_routes, control_routes, finetune_routes
 from sits.api.app import create_app
 from sits.api.backend import BackendRegistry
 from sits.api.context import ServerSettings
@@ -89,6 +89,7 @@ def build_gateway_app(gateway: Gateway, config_units: list[UnitSpec], settings: 
     app.state.gateway = gateway
     app.include_router(control_routes.router)
     app.include_router(admin_routes.router)
+    app.include_router(finetune_routes.router)
     app.state.sits.metrics.registry.register(_GatewayCollector(gateway))
     app.openapi_schema = None
     return app

@@ -34,10 +34,34 @@ def _spec(args: argparse.Namespace):
         raise SystemExit(f"sits finetune: {e}") from None
 
 
+def _submit(args: argparse.Namespace, spec) -> int:
+    """The job to the gateway (POST /v1/finetune/jobs), its events followed until it ends."""
+    import httpx
+
+    from sits.cli.control import _gateway_url
+    url = _gateway_url(args)
+    key = os.environ.get("SITS_API_KEY")
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    r = httpx.post(f"{url}/v1/finetune/jobs", json=spec.model_dump(), headers=headers, timeout=60)
+    if r.status_code >= 400:
+        print(f"sits finetune: {r.json().get('error', {}).get('message', r.text)}", file=sys.stderr)
+        return 1
+    last = {}
+    with httpx.stream("GET", f"{url}/v1/finetune/jobs/{spec.name}/events", headers=headers, timeout=None) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: "):
+                last = json.loads(line[len("data: "):])
+                print(json.dumps(last), file=sys.stderr)
+    print(json.dumps(httpx.get(f"{url}/v1/finetune/jobs/{spec.name}", headers=headers, timeout=60).json()))
+    return 0 if last.get("state") in ("done", "served") else 1
+
+
 def cmd_finetune(args: argparse.Namespace) -> int:
     from sits.finetune.supervisor import run_supervised
     from sits.finetune.trainer import FinetuneJob
     spec = _spec(args)
+    if args.submit:
+        return _submit(args, spec)
     folder = Path(args.out) if args.out else Path(args.data_dir) / "finetune" / spec.name
     print(f"fine-tuning {spec.name}: {spec.steps} steps, rank {spec.rank}, job folder {folder}", file=sys.stderr)
     if hasattr(os, "fork"):      # attempts forked from a warm process: a dead one restarts from its snapshot
@@ -84,6 +108,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="the job folder (default: <data-dir>/finetune/<name>)")
     p.add_argument("--data-dir", default=os.environ.get("SITS_DATA_DIR", ".sits"),
                    help="where job folders go (default: $SITS_DATA_DIR, else .sits)")
+    p.add_argument("--submit", action="store_true",
+                   help="run the job on the gateway at --url (POST /v1/finetune/jobs) and follow its events")
     p.add_argument("--max-restarts", type=int, default=3, help="attempts restarted from the snapshot at most")
     p.add_argument("--serve-into", default=None, metavar="UNIT", help="hot-load the adapter into this unit when done")
     p.add_argument("--url", default=None, help="the gateway serving that unit (default: $SITS_URL or localhost:8000)")

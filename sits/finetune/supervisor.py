@@ -46,10 +46,12 @@ def fork_attempt(spec: FinetuneSpec, folder: str | Path, prepared: Prepared, *, 
                  progress: bool = False, exit_after: int | None = None) -> int:
     """Run one attempt of the job in a forked child; its exit status (0: it ran to its end).
     ``exit_after``: the child dies after that many steps without finishing (fault injection)."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
     pid = os.fork()
     if pid == 0:                       # the child: never returns into the caller's stack
         code = 1
         try:
+            _die_with_parent()
             torch.set_num_threads(threads)
             job = FinetuneJob(spec, folder, prepared=prepared)
             job.run(stop_after=exit_after if exit_after is not None else stop_after, progress=progress)
@@ -60,14 +62,44 @@ def fork_attempt(spec: FinetuneSpec, folder: str | Path, prepared: Prepared, *, 
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
-    _, status = os.waitpid(pid, 0)
+    global _attempt
+    _attempt = pid
+    Path(folder, "attempt.pid").write_text(str(pid))
+    try:
+        _, status = os.waitpid(pid, 0)
+    finally:
+        _attempt = None
     return os.waitstatus_to_exitcode(status)
+
+
+_attempt: int | None = None          # the attempt running now (killed with the supervisor)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this attempt if its supervisor dies, however it dies."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _on_term(signum, frame) -> None:
+    if _attempt is not None:
+        try:
+            os.kill(_attempt, 9)
+        except ProcessLookupError:
+            pass
+    os._exit(128 + signum)
 
 
 def run_supervised(spec: FinetuneSpec, folder: str | Path, *, max_restarts: int = 3, progress: bool = False,
                    exit_first_after: int | None = None) -> int:
     """Run the job to its end, restarting a dead attempt from its snapshot up to ``max_restarts``
     times; 0 when it is done. ``exit_first_after``: the first attempt dies after that many steps."""
+    import signal
+    signal.signal(signal.SIGTERM, _on_term)       # a cancelled job: its attempt goes with it
     prepared = prepare(spec)
     restarts = 0
     while True:

@@ -28,6 +28,7 @@ from sits.runtime.prefetch import Prefetcher
 from sits.runtime.unit_store import UnitStore
 from sits.runtime.unit import UnitBackend
 from sits.runtime.zygote import ZygoteClient
+from sits.runtime.finetune_jobs import FinetuneJobs
 from sits.tenancy.service import Tenancy
 
 log = logging.getLogger("sits.runtime")
@@ -82,6 +83,8 @@ class Gateway:
         self.memory = open_memory_store(self.data_dir)
         # tenants, keys, usage (the app serves them and starts it); redis://... when gateways share them
         self.tenancy: Tenancy | None = Tenancy.open(self.data_dir, tenant_store)
+        # fine-tuning jobs (kind: finetune): each trains in a process of its own, its adapter served when done
+        self.finetune = FinetuneJobs(self.data_dir / "finetune", serve=self._serve_adapter)
         self.use_zygote = zygote
         self.prefetcher = Prefetcher(threshold=prefetch_threshold if prefetch else float("inf"))
         self.zygote: ZygoteClient | None = None
@@ -226,7 +229,16 @@ class Gateway:
                 except Exception:  # noqa: BLE001 - one unit's bug must not stop the others' scaling
                     log.exception("autoscaler tick for %s failed", backend.name)
 
+    async def _serve_adapter(self, unit: str, name: str, path: str) -> None:
+        backend = self.units.get(unit)
+        if backend is None:
+            raise InvalidRequestError(f"no unit {unit!r} to serve the adapter {name!r} (deployed: "
+                                      f"{', '.join(sorted(self.units)) or 'none'})", param="serve_into",
+                                      code="unit_not_found")
+        await backend.load_adapter(name, path)
+
     async def shutdown(self) -> None:
+        await self.finetune.close()
         if self._loop_task is not None:
             self._loop_task.cancel()
         for name in list(self.units):
