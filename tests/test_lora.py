@@ -155,8 +155,8 @@ def test_load_and_unload_while_serving(base, adapters):
     root, made = adapters
     eng = _engine(path, root, [], enable_lora=True)
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-    running = eng.add(eng.make_request(_prompt(7), params))
-    eng.step()
+    running = eng.add(eng.make_request(_prompt(7, 8), params))
+    eng.step()                                    # its prompt done: it decodes from now on
     view = eng.load_adapter("b", str(root / "b"))
     assert view["rank"] == 4 and view["targets"] == ["q_proj", "v_proj"]
     seq = eng.add(eng.make_request(_prompt(8), params, lora="b"))
