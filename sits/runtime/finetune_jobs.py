@@ -76,9 +76,19 @@ class FinetuneJobs:
         job = self.jobs[spec.name] = _Job(spec, self.folder / spec.name)
         self._note(job, "queued")
         job.task = asyncio.get_running_loop().create_task(self._run(job), name=f"finetune-{spec.name}")
+        job.task.add_done_callback(lambda _: job.changed.set())      # followers see the end, whatever it was
         return self.view(spec.name)
 
     async def _run(self, job: _Job) -> None:
+        try:
+            await self._train(job)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:      # noqa: BLE001 - the job failed, the gateway serves on
+            log.exception("fine-tuning job %s", job.spec.name)
+            self._note(job, "failed", error=f"{type(e).__name__}: {e}")
+
+    async def _train(self, job: _Job) -> None:
         async with self._slots:
             if job.state == "cancelled":
                 return
