@@ -232,3 +232,38 @@ def test_a_running_finetune_job_is_cancelled(tiny_model_dir, dataset, tmp_path):
         assert [j["state"] for j in listed] == ["cancelled"]
     finally:
         srv.stop()
+
+
+def test_a_chat_template_that_renders_turns_differently_still_masks_only_the_answer(tiny_model_dir):
+    """Where rendering the conversation with its answer changes tokens before it, the loss starts where
+    the two renderings part (not where the shorter one ends)."""
+    from sits.engine.tokenizer import Tokenizer
+    from sits.finetune.data import _example
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    row = {"messages": [{"role": "user", "content": "colour red"}, {"role": "assistant", "content": "fruit apple"}]}
+    ex = _example(row, tok, 512)
+    context = tok.encode(tok.apply_chat_template(row["messages"][:1], add_generation_prompt=True))
+    assert ex.ids[:ex.first_target] == context and ex.first_target == len(context)
+    assert tok.decode(ex.ids[ex.first_target:]).strip().startswith("fruit apple")
+
+
+def test_a_job_that_cannot_succeed_is_not_restarted(tiny_model_dir, dataset, tmp_path):
+    """A bad dataset (found before any attempt) and a snapshot of another spec (found by the attempt):
+    each is one failed event with its code, not max_restarts tries."""
+    import subprocess
+    import sys
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "x.jsonl").write_text('{"neither": 1}\n')
+
+    def supervise(spec, folder) -> list[dict]:
+        (tmp_path / "spec.json").write_text(spec.model_dump_json())
+        run = subprocess.run([sys.executable, "-m", "sits.finetune.supervisor", str(tmp_path / "spec.json"),
+                              str(folder)], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 2, run.stderr[-2000:]
+        return [json.loads(l) for l in (folder / "events.jsonl").read_text().splitlines()]
+
+    events = supervise(_spec(tiny_model_dir, tmp_path / "bad"), tmp_path / "j1")
+    assert [e["state"] for e in events] == ["failed"] and events[0]["code"] == "invalid_dataset"
+    FinetuneJob(_spec(tiny_model_dir, dataset, steps=2, snapshot_every=1), tmp_path / "j2").run()
+    events = supervise(_spec(tiny_model_dir, dataset, rank=8), tmp_path / "j2")
+    assert [e["state"] for e in events].count("failed") == 1

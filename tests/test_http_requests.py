@@ -243,11 +243,14 @@ def test_metrics_count_final_states_and_codes(server):
 
 
 def test_finished_requests_are_dropped_after_retention(serve_tiny):
-    srv = serve_tiny(ServerSettings(request_retention_s=0.3, drain_grace_s=0.5))
+    """Kept while retained (long enough for a poll on a busy host to see it), then a 404."""
+    srv = serve_tiny(ServerSettings(request_retention_s=2.0, drain_grace_s=0.5))
     v = submit(srv, prompt="forget me", constraints={"max_tokens": 2})
     wait_terminal(srv, v["id"])
-    time.sleep(0.5)
-    r = httpx.get(f"{srv.url}/v1/requests/{v['id']}")
+    deadline = time.monotonic() + 30
+    while (r := httpx.get(f"{srv.url}/v1/requests/{v['id']}")).status_code == 200:
+        assert time.monotonic() < deadline, "a finished request outlived its retention"
+        time.sleep(0.1)
     assert r.status_code == 404 and r.json()["error"]["code"] == "request_not_found"
 
 

@@ -51,9 +51,10 @@ def _example(row: dict, tokenizer: Tokenizer, max_len: int) -> Example | None:
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         context = tokenizer.encode(tokenizer.apply_chat_template(messages[:last], add_generation_prompt=True))
         full = tokenizer.encode(tokenizer.apply_chat_template(messages[:last + 1], add_generation_prompt=False))
-        if full[:len(context)] != context:      # a template that re-renders earlier turns: count the whole answer
-            context = full[:len(context)]
-        ids, first = full[:max_len], len(context)
+        first = 0
+        while first < min(len(context), len(full)) and full[first] == context[first]:
+            first += 1                          # a template that renders earlier turns otherwise: what they share
+        ids, first = full[:max_len], max(first, 1)
     else:
         ids, first = tokenizer.encode(str(row["text"]))[:max_len], 1
     return Example(ids, first) if len(ids) > first else None

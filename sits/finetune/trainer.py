@@ -33,6 +33,12 @@ from sits.finetune.spec import FinetuneSpec
 SNAPSHOT = "snapshot.pt"
 
 
+def job_device(spec: FinetuneSpec) -> torch.device:
+    if spec.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec.device)
+
+
 class TrainableLora(nn.Module):
     """A frozen projection plus a trainable low-rank update, initialised as PEFT does (A Kaiming-
     uniform, B zeros: the model starts out unchanged)."""
@@ -76,9 +82,8 @@ class Prepared:
     device: torch.device
 
     @classmethod
-    def load(cls, spec: FinetuneSpec) -> "Prepared":
-        device = torch.device("cuda" if spec.device == "auto" and torch.cuda.is_available() else
-                              "cpu" if spec.device == "auto" else spec.device)
+    def load(cls, spec: FinetuneSpec, device: torch.device | None = None) -> "Prepared":
+        device = device or job_device(spec)
         mc = ModelConfig.from_dir(spec.model)
         tokenizer = Tokenizer.from_dir(spec.model)
         examples = load_examples(spec.dataset, tokenizer, spec.max_len)
@@ -120,17 +125,22 @@ class FinetuneJob:
         try:
             return self._run(stop_after, progress)
         except BaseException as e:
-            self._event("failed", error=f"{type(e).__name__}: {e}",
-                        code=e.code if isinstance(e, SitsError) else "internal_error")
+            self.record_failure(e)
             raise
+
+    def record_failure(self, e: BaseException) -> None:
+        """A ``failed`` event for ``e`` (also for what went wrong before an attempt could start)."""
+        self._event("failed", error=e.message if isinstance(e, SitsError) else f"{type(e).__name__}: {e}",
+                    code=e.code if isinstance(e, SitsError) else "internal_error")
 
     def _run(self, stop_after: int | None, progress: bool) -> Path:
         spec = self.spec
         torch.manual_seed(spec.seed)
         t_load = time.perf_counter()
         prepared = self.prepared or Prepared.load(spec)
-        model, tokenizer, examples, device = prepared.model, prepared.tokenizer, prepared.examples, prepared.device
+        model, tokenizer, examples, device = prepared.model, prepared.tokenizer, prepared.examples, job_device(spec)
         loras = _attach(model, spec)
+        model.to(device)        # the new adapter; and the base too where a supervisor prepared it on the CPU
         params = [p for lora in loras.values() for p in (lora.A, lora.B)]
         opt = torch.optim.AdamW(params, lr=spec.learning_rate, weight_decay=spec.weight_decay)
         self._restore(loras, opt)

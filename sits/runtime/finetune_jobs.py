@@ -2,8 +2,8 @@
 
 Each job runs as a supervisor process of its own (``python -m sits.finetune.supervisor``: attempts
 forked from it, restarted from the job's snapshot when they die), in ``<data-dir>/finetune/<name>``.
-Its state is what its events say (queued → running → checkpointed … → done | failed, then served
-when its adapter went into the unit it names, or cancelled). At most ``concurrency`` jobs train at
+Its state is what its events say (queued → running → checkpointed … → done | failed; serving →
+served | serve_failed when it names a unit for its adapter; or cancelled). At most ``concurrency`` jobs train at
 once (they share the cores with serving); the others wait in order. Submitting a job whose folder
 holds a snapshot of the same spec continues it.
 """
@@ -23,7 +23,7 @@ from sits.engine.errors import SitsError
 from sits.finetune.spec import FinetuneSpec
 
 log = logging.getLogger("sits.runtime")
-TERMINAL = ("served", "serve_failed", "done", "failed", "cancelled")
+TERMINAL = ("served", "serve_failed", "done", "failed", "cancelled")     # "serving" is not: its adapter is on its way
 
 
 class JobNotFoundError(SitsError):
@@ -44,13 +44,25 @@ class _Job:
     state: str = "queued"
     proc: asyncio.subprocess.Process | None = None
     task: asyncio.Task | None = None
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)     # set, then replaced, at every change
+    first_event: int = 0                 # this submission's first line of the folder's events (a resubmit appends)
+
+    def bump(self) -> None:
+        """Wake every follower (each waits on the event it saw; nobody clears it under another)."""
+        done, self.changed = self.changed, asyncio.Event()
+        done.set()
 
     def events(self) -> list[dict]:
         path = self.folder / "events.jsonl"
         if not path.exists():
             return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        out = []
+        for line in path.read_text().splitlines()[self.first_event:]:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:      # a line being written, or a torn one: not an event yet
+                continue
+        return out
 
 
 class FinetuneJobs:
@@ -67,16 +79,18 @@ class FinetuneJobs:
         job.folder.mkdir(parents=True, exist_ok=True)
         with open(job.folder / "events.jsonl", "a") as f:
             f.write(json.dumps({"state": state, "at": time.time(), "job": job.spec.name, **data}) + "\n")
-        job.changed.set()
+        job.bump()
 
     async def submit(self, spec: FinetuneSpec) -> dict:
         old = self.jobs.get(spec.name)
         if old is not None and old.state not in TERMINAL:
             raise JobActiveError(f"fine-tuning job {spec.name!r} is {old.state}; cancel it first", param="name")
         job = self.jobs[spec.name] = _Job(spec, self.folder / spec.name)
+        path = job.folder / "events.jsonl"
+        job.first_event = len(path.read_text().splitlines()) if path.exists() else 0
         self._note(job, "queued")
         job.task = asyncio.get_running_loop().create_task(self._run(job), name=f"finetune-{spec.name}")
-        job.task.add_done_callback(lambda _: job.changed.set())      # followers see the end, whatever it was
+        job.task.add_done_callback(lambda _: job.bump())      # followers see the end, whatever it was
         return self.view(spec.name)
 
     async def _run(self, job: _Job) -> None:
@@ -98,9 +112,13 @@ class FinetuneJobs:
             job.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "sits.finetune.supervisor", str(spec_path), str(job.folder),
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+            if job.state == "cancelled":        # cancelled while the process was starting
+                job.proc.terminate()
             watcher = asyncio.get_running_loop().create_task(self._watch(job))
-            _, stderr = await job.proc.communicate()
-            watcher.cancel()
+            try:
+                _, stderr = await job.proc.communicate()
+            finally:
+                watcher.cancel()
             if job.state == "cancelled":
                 return
             if job.proc.returncode != 0:
@@ -109,10 +127,10 @@ class FinetuneJobs:
                     self._note(job, "failed", error=stderr.decode(errors="replace")[-2000:] or
                                f"exit status {job.proc.returncode}")
                 job.state = "failed"
-                job.changed.set()
+                job.bump()
                 return
-            job.state = "done"
-            job.changed.set()
+            job.state = "serving" if job.spec.serve_into else "done"
+            job.bump()
             if job.spec.serve_into:
                 adapter = str(job.folder / "adapter")
                 try:
@@ -129,7 +147,7 @@ class FinetuneJobs:
             n = len(job.events())
             if n != seen:
                 seen = n
-                job.changed.set()
+                job.bump()
             await asyncio.sleep(0.2)
 
     def _job(self, name: str) -> _Job:
@@ -147,7 +165,8 @@ class FinetuneJobs:
                 "model": job.spec.model, "dataset": job.spec.dataset, "step": last_train.get("step", 0),
                 "steps": job.spec.steps, "loss": losses[-1] if losses else None, "serve_into": job.spec.serve_into,
                 "adapter": str(job.folder / "adapter") if (job.folder / "adapter").exists() else None,
-                "error": next((e.get("error") for e in reversed(events) if e.get("error")), None),
+                "error": next((e.get("error") for e in reversed(events) if e.get("error")), None)
+                if job.state in ("failed", "serve_failed") else None,
                 "events": len(events)}
 
     def views(self) -> list[dict]:
@@ -158,21 +177,23 @@ class FinetuneJobs:
         job = self._job(name)
         sent = 0
         while True:
-            job.changed.clear()
+            changed = job.changed
             events = job.events()
             for ev in events[sent:]:
                 yield ev
             sent = len(events)
             if job.state in TERMINAL and (job.task is None or job.task.done()):
                 return
-            await job.changed.wait()
+            await changed.wait()
 
     async def cancel(self, name: str) -> dict:
         job = self._job(name)
         if job.state in TERMINAL:
             return self.view(name)
         self._note(job, "cancelled")
-        if job.proc is not None and job.proc.returncode is None:
+        if job.proc is None:
+            job.task.cancel()        # still waiting for its turn
+        elif job.proc.returncode is None:
             job.proc.terminate()     # the supervisor's attempt dies with it; the snapshot stays for a later submit
         return self.view(name)
 
