@@ -70,10 +70,6 @@ class LoraAdapter:
     targets: tuple[str, ...]       # the module names it adapts
     weights: Weights = field(repr=False, default_factory=dict)
 
-    @property
-    def num_params(self) -> int:
-        return sum(a.numel() + b.numel() for a, b in self.weights.values())
-
 
 def _alpha_for(module_path: str, cfg: dict) -> float:
     """PEFT's ``alpha_pattern``: a key matching the end of the module's name overrides ``lora_alpha``."""
@@ -293,7 +289,6 @@ class AdapterManager:
         self.roots: dict[str, int] = {}          # each load's own prefix-cache chain (a reload is another)
         self._serial = itertools.count(1)
         self.resident: OrderedDict[str, int] = OrderedDict()      # name -> slot, least recently used first
-        self.loads = 0                                              # host -> device copies
 
     def load(self, name: str, path: str | Path) -> LoraAdapter:
         if not name or ":" in name or "/" in name:
@@ -334,7 +329,6 @@ class AdapterManager:
         for module in self.modules:
             module.fill(slot, adapter, self.max_loras, self.device, self.dtype)
         self.resident[name] = slot
-        self.loads += 1
         return slot
 
     def bind(self, rows_of: dict[str, list[int]], num_rows: int) -> None:

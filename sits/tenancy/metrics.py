@@ -1,7 +1,7 @@
-"""Per-tenant Prometheus series, read from ``Tenancy`` at scrape time (nothing is counted twice):
-usage totals are this gateway's; budgets and requests in flight are the ledger's (with a shared
-ledger, as of its last refresh).
-The unlabelled tenant ``""`` is the operator's and an open server's own traffic."""
+"""Per-tenant Prometheus series, read from ``Tenancy`` at scrape time (nothing is counted twice).
+Usage totals are this gateway's; budgets and requests in flight are the ledger's (a shared ledger's
+as of its last refresh). The unlabelled tenant ``""`` is the operator's and an open server's own
+traffic."""
 
 from __future__ import annotations
 

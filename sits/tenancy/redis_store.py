@@ -102,7 +102,6 @@ class RedisTenantStore:
     def __init__(self, redis, prefix: str):
         self.redis = redis
         self.prefix = prefix
-        self.url = getattr(redis, "sits_url", None)
         self._tenants, self._keys = f"{prefix}tenants", f"{prefix}keys"
         self._live, self._changes, self._usage = f"{prefix}live_keys", f"{prefix}changes", f"{prefix}usage"
         self._delete_tenant = redis.register_script(_DELETE_TENANT)

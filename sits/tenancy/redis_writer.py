@@ -36,10 +36,6 @@ class PipelinedWriter:
         self._idle.clear()
         self._wake.set()
 
-    @property
-    def pending(self) -> int:
-        return len(self._queue)
-
     async def _run(self) -> None:
         while True:
             await self._wake.wait()
