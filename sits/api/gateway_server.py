@@ -22,6 +22,7 @@ from sits.api.backend import BackendRegistry
 from sits.api.context import ServerSettings
 from sits.api.server import DrainingServer, event_loop_factory, listen_socket, serving_process_defaults, usage_banner
 from sits.runtime.gateway import Gateway
+from sits.runtime.unit import UnitBackend
 from sits.runtime.unit_spec import UnitSpec
 
 log = logging.getLogger("sits.up")
@@ -48,16 +49,17 @@ class _GatewayCollector(Collector):
                                    "(to the fallback or a 503)", labels=["unit"])
         faults = CounterMetricFamily("sits:fault_injections", "times an injected fault acted", labels=["unit", "kind"])
         for name, b in self.gw.units.items():
-            counts: dict[str, int] = {}
-            for i in b.pool.instances:
-                counts[i.state.value] = counts.get(i.state.value, 0) + 1
-            for state in ("STARTING", "WARMING", "READY", "DRAINING"):
-                inst.add_metric([name, state], counts.get(state, 0))
-            desired.add_metric([name], b.pool.desired)
-            if b.last_decision is not None and b.last_decision.health is not None:
-                health.add_metric([name], b.last_decision.health)
-            starts.add_metric([name], b.pool.starts)
-            crashes.add_metric([name], b.pool.crashes)
+            if isinstance(b, UnitBackend):      # a remote unit has no instances of its own
+                counts: dict[str, int] = {}
+                for i in b.pool.instances:
+                    counts[i.state.value] = counts.get(i.state.value, 0) + 1
+                for state in ("STARTING", "WARMING", "READY", "DRAINING"):
+                    inst.add_metric([name, state], counts.get(state, 0))
+                desired.add_metric([name], b.pool.desired)
+                if b.last_decision is not None and b.last_decision.health is not None:
+                    health.add_metric([name], b.last_decision.health)
+                starts.add_metric([name], b.pool.starts)
+                crashes.add_metric([name], b.pool.crashes)
             for state in ("CLOSED", "HALF_OPEN", "OPEN"):
                 breaker.add_metric([name, state], 1.0 if b.breaker.state.value == state else 0.0)
             if (rate := b.breaker.attainment()) is not None:

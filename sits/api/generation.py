@@ -49,6 +49,20 @@ class ChoiceResult:
         if ev.finished:
             self.finish_reason = ev.finish_reason
 
+    def prompt_tokens(self, seq: EngineRequest) -> int:
+        """The count the finished event reports (a remote endpoint's own), else the request's."""
+        last = self.last
+        return last.num_prompt_tokens if last is not None and last.finished and last.num_prompt_tokens \
+            else seq.prompt_len
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens produced: the finished event's count (a remote endpoint may send several in one
+        event), else the token events so far."""
+        last = self.last
+        return last.num_output_tokens if last is not None and last.finished and last.num_output_tokens \
+            else len(self.token_ids)
+
 
 class InflightRegistry:
     """Engine requests currently streaming, by id, so shutdown can abort them with a reason."""
@@ -123,11 +137,11 @@ class Generation:
     @property
     def prompt_tokens(self) -> int:
         n = len(self.seqs) // self.num_prompts
-        return sum(len(s.prompt_token_ids) for s in self.seqs[::n])
+        return sum(c.prompt_tokens(s) for s, c in zip(self.seqs[::n], self.choices[::n]))
 
     @property
     def completion_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.choices)
+        return sum(c.completion_tokens for c in self.choices)
 
     @property
     def cached_tokens(self) -> int:
@@ -144,7 +158,7 @@ class Generation:
         return out
 
     def _uses(self) -> list[SequenceUse]:
-        return [use_of(len(s.prompt_token_ids), c.first, c.last, len(c.token_ids)) for s, c in zip(self.seqs, self.choices)]
+        return [use_of(c.prompt_tokens(s), c.first, c.last, c.completion_tokens) for s, c in zip(self.seqs, self.choices)]
 
     def _settle(self) -> None:
         if self.meter is not None and self.metered is None:

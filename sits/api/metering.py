@@ -55,10 +55,10 @@ class GenerationMeter:
         self.shape = features.shape
         per_prompt = len(seqs) // num_prompts
         # the worst case: every prompt computed once (choices share it), every choice to max_tokens
-        prompt = sum(len(s.prompt_token_ids) for s in seqs[::per_prompt])
+        prompt = sum(s.prompt_len for s in seqs[::per_prompt])
         completion = sum(s.params.max_tokens for s in seqs)
         flops = 0 if self.shape is None else sum(
-            self.shape.flops(len(s.prompt_token_ids), 0, s.params.max_tokens) for s in seqs)
+            self.shape.flops(s.prompt_len, 0, s.params.max_tokens) for s in seqs)
         self.tokens = prompt + completion
         self.cost = self.pricing.cost(prompt, 0, completion, flops)
         self.admission: Admission | None = None

@@ -40,6 +40,8 @@ def _control(args: argparse.Namespace, method: str, path: str, body=None):
 
 
 def _instances_summary(u: dict) -> str:
+    if u.get("kind") == "remote":
+        return f"remote, {u['inflight']} in flight"
     counts: dict[str, int] = {}
     for i in u["instances"]:
         counts[i["state"]] = counts.get(i["state"], 0) + 1
@@ -56,7 +58,8 @@ def cmd_iu(args: argparse.Namespace) -> int:
         for u in _control(args, "GET", "/v1/units")["data"]:
             sc = u["spec"]["scale"]
             print(f"{u['name']:<20} instances {_instances_summary(u):<20} desired {u['desired']} "
-                  f"(min {sc['min_instances']}, max {sc['max_instances']})  model {u['model']}")
+                  f"(min {sc['min_instances']}, max {sc['max_instances']})  model {u['model']}"
+                  + (f" at {u['backend']['openai']}" if u.get("kind") == "remote" else ""))
     elif args.iu_command == "delete":
         _control(args, "DELETE", f"/v1/units/{args.name}")
         print(f"deleted {args.name}")

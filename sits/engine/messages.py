@@ -54,6 +54,12 @@ class EngineRequest:
     tenant_weight: float = 1.0        # that group's share relative to the others
     lora: str | None = None           # the LoRA adapter it runs with (None: the base model)
 
+    @property
+    def prompt_len(self) -> int:
+        """Prompt tokens, as far as they are known before it runs (a request to a remote endpoint
+        holds an estimate; its finished event carries the count the endpoint reported)."""
+        return len(self.prompt_token_ids)
+
     def resumed(self, sent: list[int]) -> "EngineRequest":
         """The same request continued after ``sent`` output tokens (failover to another instance): the
         tokens join the prompt, ``max_tokens`` shrinks by as many, and a grammar replays them."""

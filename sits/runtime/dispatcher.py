@@ -30,6 +30,7 @@ from sits.runtime.hints import RequestHints
 from sits.tenancy.principal import current_charges, current_principal
 from sits.runtime.router import Router, prefix_hashes
 from sits.runtime.sla import NOT_OUTCOMES
+from sits.runtime.unit_guard import record_outcome
 
 if TYPE_CHECKING:
     from sits.faults import FaultInjector
@@ -256,19 +257,7 @@ class UnitDispatcher:
             raise
         finally:
             if primary:
-                self._record_outcome(progress, error_code, probe)
-
-    def _record_outcome(self, progress: "StreamProgress", error_code: str | None, probe) -> None:
-        """The request's one outcome for the SLA breaker (see ``stream``)."""
-        waited_ms = progress.gateway_ttft_ms
-        if waited_ms is None:
-            waited_ms = (time.monotonic() - progress.request.arrival_time) * 1e3
-        if progress.finished or error_code is not None:
-            self.unit.breaker.record(self.unit.breaker.classify(progress.gateway_ttft_ms, error_code), probe=probe)
-        elif waited_ms > self.unit.spec.slo.ttft_ms:      # abandoned or cut short after the SLO had passed
-            self.unit.breaker.record(self.unit.breaker.classify(waited_ms, None), probe=probe)
-        else:
-            self.unit.breaker.probe_cancelled(probe)
+                record_outcome(self.unit.breaker, self.unit.spec.slo.ttft_ms, progress, error_code, probe)
 
     def abort(self, request_id: str, error: SitsError | None = None) -> None:
         err = error or RequestAbortedError(f"request {request_id} was aborted")

@@ -26,6 +26,8 @@ class BackendFeatures:
     pricing: PricingSpec | None = None        # the unit's price table (cost per token, FLOP, GB-hour)
     shape: ModelShape | None = None           # what a token costs to compute (FLOPs) and to hold (KV bytes)
     kv_block_size: int = 16
+    message_prompts: bool = False             # prompts cross as messages or text, never token ids: the serving
+                                              # side renders its own template (a remote endpoint, a mesh of units)
 
 
 NO_FEATURES = BackendFeatures()

@@ -27,6 +27,7 @@ from sits.runtime.hints import RequestHints
 from sits.runtime.prefetch import Prefetcher
 from sits.runtime.unit_store import UnitStore
 from sits.runtime.unit import UnitBackend
+from sits.runtime.remote_unit import RemoteUnit
 from sits.runtime.zygote import ZygoteClient
 from sits.runtime.finetune_jobs import FinetuneJobs
 from sits.tenancy.service import Tenancy
@@ -39,7 +40,7 @@ class UnitHost(Protocol):
 
     def record(self, unit: str, kind: str, data: dict) -> None: ...
 
-    def unit(self, name: str) -> "UnitBackend | None": ...
+    def unit(self, name: str) -> "UnitBackend | RemoteUnit | None": ...
 
     def kick(self, name: str) -> None: ...
 
@@ -89,7 +90,7 @@ class Gateway:
         self.prefetcher = Prefetcher(threshold=prefetch_threshold if prefetch else float("inf"))
         self.zygote: ZygoteClient | None = None
         self.store = UnitStore(self.data_dir)
-        self.units: dict[str, UnitBackend] = {}
+        self.units: dict[str, UnitBackend | RemoteUnit] = {}
         self.tick_s = tick_s
         self.events: collections.deque[dict] = collections.deque(maxlen=1000)
         self.decisions: collections.Counter = collections.Counter()
@@ -105,7 +106,7 @@ class Gateway:
         """A call of ``unit``: learn the chain, and start the units that likely come next (pre-warming)."""
         for nxt, p in self.prefetcher.observe(unit, hints.chain_key):
             b = self.units.get(nxt)
-            if b is None or b.pool.ready() or b.pool.starting() or b.pool.desired >= b.spec.scale.max_instances:
+            if not isinstance(b, UnitBackend) or b.pool.ready() or b.pool.starting() or b.pool.desired >= b.spec.scale.max_instances:
                 continue
             reason = f"prefetch: P({nxt} | {unit}) = {p:.2f} >= {self.prefetcher.threshold:g}"
             self.record(nxt, "prefetch", {"after": unit, "p": round(p, 3)})
@@ -115,7 +116,7 @@ class Gateway:
             b.autoscaler.state.calm_since = time.monotonic()
             b.pool.scale_to(b.pool.desired + 1, reason)
 
-    def unit(self, name: str) -> UnitBackend | None:
+    def unit(self, name: str) -> UnitBackend | RemoteUnit | None:
         return self.units.get(name)
 
     def record(self, unit: str, kind: str, data: dict) -> None:
@@ -128,9 +129,9 @@ class Gateway:
             self.breaker_transitions[(unit, data["to"])] += 1
 
     # -- units ----------------------------------------------------------------------------------------
-    async def deploy(self, spec: UnitSpec, *, persist: bool = True) -> UnitBackend:
+    async def deploy(self, spec: UnitSpec, *, persist: bool = True) -> UnitBackend | RemoteUnit:
         old = self.units.get(spec.name)
-        backend = await asyncio.to_thread(UnitBackend, spec, self)
+        backend = RemoteUnit(spec, self) if spec.remote else await asyncio.to_thread(UnitBackend, spec, self)
         # a set embedded by the unit's own model can only be ingested once the unit can run
         own_embedder = spec.memory is not None and spec.memory.embedder == "unit"
         if not own_embedder:
@@ -138,7 +139,7 @@ class Gateway:
         if old is not None:
             await self.undeploy(spec.name, persist=False)
         self.units[spec.name] = backend
-        if self.zygote is not None and self.zygote.alive:
+        if self.zygote is not None and self.zygote.alive and not spec.remote:
             self.zygote.preload(asdict(spec.engine_config()))
         backend.tick(time.monotonic())           # min_instances start now
         if own_embedder:
@@ -151,7 +152,8 @@ class Gateway:
                 raise
         if persist:
             self.store.put(spec)
-        self.record(spec.name, "deployed", {"model": spec.model})
+        self.record(spec.name, "deployed", {"model": spec.model} if not spec.remote else
+                    {"backend": spec.backend.openai, "model": backend.remote_model})
         return backend
 
     async def _ingest(self, backend: UnitBackend) -> None:
@@ -174,13 +176,15 @@ class Gateway:
             self.store.delete(name)
         if backend is None:
             return False
-        backend.dispatcher.abort_waiting(SitsError(f"unit {name} was deleted", code="unit_deleted"))
-        await backend.pool.shutdown()
+        await backend.close(SitsError(f"unit {name} was deleted", code="unit_deleted"))
         self.record(name, "deleted", {})
         return True
 
     def scale(self, name: str, n: int) -> UnitBackend:
         backend = self.units[name]
+        if isinstance(backend, RemoteUnit):
+            raise InvalidRequestError(f"unit {name} is remote: its endpoint ({backend.root}) scales itself",
+                                      param="name", code="unit_not_scalable")
         hi = backend.spec.scale.max_instances
         if not 0 <= n <= hi:
             raise InvalidRequestError(f"unit {name} scales within [0, {hi}] (max_instances); got {n}",
@@ -224,13 +228,17 @@ class Gateway:
             now = time.monotonic()
             for backend in list(self.units.values()):
                 try:
-                    backend.pool.send_health_checks()
+                    if isinstance(backend, UnitBackend):
+                        backend.pool.send_health_checks()
                     backend.tick(now)
                 except Exception:  # noqa: BLE001 - one unit's bug must not stop the others' scaling
                     log.exception("autoscaler tick for %s failed", backend.name)
 
     async def _serve_adapter(self, unit: str, name: str, path: str) -> None:
         backend = self.units.get(unit)
+        if isinstance(backend, RemoteUnit):
+            raise InvalidRequestError(f"unit {unit!r} is remote: it cannot serve the adapter {name!r}",
+                                      param="serve_into", code="lora_unsupported")
         if backend is None:
             raise InvalidRequestError(f"no unit {unit!r} to serve the adapter {name!r} (deployed: "
                                       f"{', '.join(sorted(self.units)) or 'none'})", param="serve_into",
@@ -243,7 +251,7 @@ class Gateway:
             self._loop_task.cancel()
         for name in list(self.units):
             backend = self.units.pop(name)
-            await backend.pool.shutdown()
+            await backend.close()
         if self.zygote is not None:
             await self.zygote.shutdown()
         self.store.close()

@@ -28,7 +28,8 @@ from sits.engine.sampling_params import SamplingParams
 from sits.engine.tokenizer import Tokenizer
 from sits.faults import FaultInjector, FaultsSpec
 from sits.runtime.autoscaler import Autoscaler, ScaleDecision
-from sits.runtime.sla import BreakerState, SlaBreaker, SlaBreakerOpenError
+from sits.runtime.sla import SlaBreaker
+from sits.runtime.unit_guard import FallbackGuard
 from sits.runtime.unit_metrics import CpuMeter, MetricsWindow
 from sits.runtime.unit_pool import UnitPool
 from sits.runtime.unit_spec import UnitSpec
@@ -51,7 +52,7 @@ MEMORY_ACCOUNT_INTERVAL_S = 60.0     # a live instance's memory-time is apportio
 
 
 
-class UnitBackend:
+class UnitBackend(FallbackGuard):
     def __init__(self, spec: UnitSpec, host: "UnitHost"):
         self.spec = spec
         self.name = spec.name
@@ -106,29 +107,7 @@ class UnitBackend:
         """Times each fault kind acted on this unit, over every fault set it had (for metrics)."""
         return self._past_fault_hits + self.faults.hits
 
-    # -- the SLA guard and faults ---------------------------------------------------------------------
-    def _breaker_moved(self, frm: BreakerState, to: BreakerState, why: str) -> None:
-        self.host.record(self.name, "breaker", {"from": frm.value, "to": to.value, "reason": why})
-        (log.warning if to is BreakerState.OPEN else log.info)("unit %s: SLA breaker %s -> %s (%s)",
-                                                                self.name, frm.value, to.value, why)
-
-    def admit(self) -> "UnitBackend":
-        """This unit if its breaker lets the request through, else its fallback unit, else a fast 503."""
-        if self.breaker.admits():
-            return self
-        self.breaker.rejected += 1
-        fb = self.host.unit(self.spec.fallback) if self.spec.fallback else None
-        if fb is not None and fb is not self and fb.breaker.admits():
-            self.fallbacks += 1
-            return fb
-        err = SlaBreakerOpenError(
-            f"unit {self.name} is shedding load: its SLA breaker is open (success rate below "
-            f"{self.spec.sla.success_rate:g} over the last {self.spec.sla.window_s:g}s)"
-            + ("" if not self.spec.fallback else f" and its fallback {self.spec.fallback!r} cannot take it"),
-            param="model")
-        err.retry_after_s = self.breaker.retry_after_s()
-        raise err
-
+    # -- faults ---------------------------------------------------------------------------------------
     def set_faults(self, spec: FaultsSpec | None) -> None:
         """Replace this unit's faults (admin endpoint); instances get the new directives at once."""
         self._past_fault_hits.update(self.faults.hits)
@@ -235,6 +214,12 @@ class UnitBackend:
                 await inst.backend.load_adapter(name, path)
             except SitsError as e:
                 log.error("unit %s: instance %s could not load adapter %s: %s", self.name, inst.id, name, e)
+
+    async def close(self, error: SitsError | None = None) -> None:
+        """Stop its instances; requests still waiting for one end with ``error``."""
+        if error is not None:
+            self.dispatcher.abort_waiting(error)
+        await self.pool.shutdown()
 
     def stream(self, seq: EngineRequest, hints: RequestHints | None = None) -> AsyncIterator[TokenEvent]:
         """Which instance serves it, with failover as a resume: the dispatcher's (``dispatcher.py``)."""

@@ -11,6 +11,13 @@
     fallback: chat-small            # where requests go while the SLA breaker is open (else 503)
     faults: {seed: 1, inject: [{kind: link_jitter, min_ms: 10, max_ms: 500}]}   # see sits.faults
 
+A remote unit names an OpenAI-compatible endpoint instead of a model (``backend:`` in place of
+``model:``); the gateway's features (SLA breaker, fallback, metrics, tracing, sessions, memory, the
+tool loop, tenants) apply to it as to a local unit::
+
+    name: large
+    backend: {openai: https://api.example.com/v1, model: big-model, api_key_env: EXAMPLE_API_KEY}
+
 A config for ``sits up`` holds ``units: [ ... ]`` of these. Every problem is reported as
 ``file:line:column: field: what is wrong (what is allowed)``; all problems at once, not the first.
 """
@@ -114,6 +121,21 @@ class MemorySpec(_Strict):
         "minilm", description="minilm (all-MiniLM-L6-v2, offline) or unit: this unit's own model, mean-pooled")
 
 
+class RemoteBackendSpec(_Strict):
+    """An OpenAI-compatible endpoint serving a unit (another SITS, a vLLM cluster, a cloud API)."""
+
+    openai: str = Field(..., pattern=r"^https?://[^\s/]+(/\S*)?$",
+                        description="the API's base URL, as the openai client takes it (e.g. http://host:8000/v1)")
+    model: str | None = Field(None, min_length=1, description="the model name the endpoint serves (default: the unit's name)")
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                                    description="the environment variable holding its API key (sent as a Bearer token)")
+    max_context: int = Field(32768, ge=16, description="the remote model's context length (prompt + output)")
+    max_tokens: int = Field(1024, ge=1, description="new tokens for a request that asks for no limit (sent to the endpoint)")
+    connect_timeout_s: float = Field(5.0, gt=0, le=600)
+    read_timeout_s: float = Field(300.0, gt=0, le=3600, description="the longest silence within a response")
+    max_connections: int = Field(64, ge=1, le=4096)
+
+
 class SamplingDefaultsSpec(_Strict):
     """What a request that leaves a sampling parameter unset gets from this unit: over the model's own
     ``generation_config.json`` (as vLLM's ``--override-generation-config``)."""
@@ -153,7 +175,8 @@ HostDir = Annotated[str, AfterValidator(_safe_host_dir)]
 
 class UnitSpec(_Strict):
     name: str = Field(..., pattern=UNIT_NAME, description="lowercase letters, digits, '.', '_', '-'")
-    model: str = Field(..., min_length=1, description="a local Hugging Face model directory")
+    model: str | None = Field(None, min_length=1, description="a local Hugging Face model directory or .gguf file")
+    backend: RemoteBackendSpec | None = Field(None, description="a remote unit: the OpenAI-compatible endpoint serving it")
     prompt_template: str | None = Field(None, description="Jinja around the user input: {{ input }}")
     scale: ScaleSpec = Field(default_factory=ScaleSpec)
     slo: SloSpec = Field(default_factory=SloSpec)
@@ -190,6 +213,26 @@ class UnitSpec(_Strict):
         if self.fallback == self.name:
             raise ValueError(f"unit {self.name!r} cannot be its own fallback")
         return self
+
+    @model_validator(mode="after")
+    def _model_or_backend(self) -> "UnitSpec":
+        if (self.model is None) == (self.backend is None):
+            raise ValueError("a unit has either model: (a local model) or backend: (a remote endpoint)"
+                             + (", not both" if self.model is not None else ""))
+        if self.backend is not None:       # what runs on instances has no meaning for an endpoint
+            local_only = [f for f in ("adapters", "prompt_template") if getattr(self, f)]
+            local_only += [f for f, default in (("scale", ScaleSpec()), ("resources", ResourcesSpec()))
+                           if getattr(self, f) != default]
+            if self.memory is not None and self.memory.embedder == "unit":
+                local_only.append("memory.embedder: unit")
+            if local_only:
+                raise ValueError(f"a remote unit (backend:) takes no {', '.join(local_only)}: those configure "
+                                 "a local model's instances")
+        return self
+
+    @property
+    def remote(self) -> bool:
+        return self.backend is not None
 
     @field_validator("prompt_template")
     @classmethod
@@ -353,6 +396,8 @@ def _resolve_models(units: list[UnitSpec], base: Path) -> None:
             u.memory.ingest = str((base / u.memory.ingest).resolve())
         u.adapters = {n: str((base / p).resolve()) if not os.path.isabs(os.path.expanduser(p)) else
                       os.path.expanduser(p) for n, p in u.adapters.items()}
+        if u.model is None:
+            continue
         if not os.path.isabs(os.path.expanduser(u.model)):
             u.model = str((base / u.model).resolve())
         else:

@@ -50,6 +50,9 @@ async def create_embeddings(body: EmbeddingRequest, request: Request):
         tokens = sum(lengths)
     else:
         backend = ctx.registry.get(body.model)
+        if backend.features.message_prompts:
+            raise InvalidRequestError(f"{backend.name} reaches its model through an endpoint or a mesh of units: "
+                                      "it serves no embeddings", param="model", code="embeddings_unsupported")
         ids = []
         for i, item in enumerate(items):
             toks = backend.tokenizer.encode(item, max_tokens=backend.max_model_len) if isinstance(item, str) else item

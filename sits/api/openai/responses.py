@@ -27,6 +27,7 @@ from sits.api.openai.responses_protocol import ResponsesRequest, input_messages
 from sits.api.openai.routes import ERRORS, from_first, open_events, response_headers, run_to_end
 from sits.api.openai.structured import Guidance, ToolCallStream, make_guidance, tool_specs
 from sits.api.shaping import default_max_tokens, sampling_params, shape_chat
+from sits.runtime.remote_unit import RemotePrompt
 from sits.api.sse import SSEResponse, sse_event
 from sits.engine.errors import InvalidRequestError, SitsError
 from sits.engine.messages import TokenEvent
@@ -77,6 +78,9 @@ async def create_response(body: ResponsesRequest, request: Request):
     try:
         shaped = await shape_chat(ctx, backend, system + history + new_input, turn=None, memory_ref=None,
                                   response_id=f"resp_{rid}", tools=guidance.tools or None)
+        if isinstance(shaped.prompt, RemotePrompt):     # the endpoint enforces tools and the format itself
+            shaped.prompt = shaped.prompt.with_guidance(guidance.choice if guidance.tools else None,
+                                                        _chat_response_format(fmt), body.parallel_tool_calls)
         max_tokens = body.max_output_tokens or default_max_tokens(backend, len(shaped.prompt))
         logprobs = (body.top_logprobs or 0) if body.wants_logprobs else None
         params = sampling_params(max_tokens, defaults=backend.sampling_defaults, temperature=body.temperature,
@@ -252,3 +256,17 @@ class ResponseAnswer:
                 "failed", [], {"code": error.get("code"), "message": error.get("message")}))
         finally:
             await events.aclose()
+
+
+def _chat_response_format(fmt) -> dict | None:
+    """This API's ``text.format`` in the chat API's ``response_format`` shape (what a remote endpoint takes)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    schema = {"name": fmt.name or "response", "schema": fmt.schema_}
+    if fmt.description is not None:
+        schema["description"] = fmt.description
+    if fmt.strict is not None:
+        schema["strict"] = fmt.strict
+    return {"type": "json_schema", "json_schema": schema}

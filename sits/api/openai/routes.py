@@ -31,6 +31,7 @@ from sits.api.sse import SSE_DONE, ClientDisconnected, SSEResponse, sse_data, un
 from sits.engine.errors import InvalidRequestError, SitsError
 from sits.engine.messages import TokenEvent
 from sits.engine.sampling_params import SamplingParams
+from sits.runtime.remote_unit import RemotePrompt, estimate_tokens
 from sits.observe import genai, tracing
 
 router = APIRouter()
@@ -136,15 +137,20 @@ async def create_completion(body: CompletionRequest, request: Request):
                                   "compute; ask for one or the other", param="echo", code="unsupported_parameter")
     max_tokens = body.max_tokens
     prompts = completion_prompts(body, backend)
+    remote = backend.features.message_prompts
+    if remote and not all(isinstance(p, str) for p in prompts):
+        raise InvalidRequestError(f"{backend.name} takes text prompts, not token ids: the model it reaches has a "
+                                  "vocabulary of its own", param="prompt", code="token_prompt_unsupported")
     echo = [p if isinstance(p, str) else backend.tokenizer.decode(p, skip_special_tokens=False)
             for p in prompts] if body.echo else None
     jobs = []
     for p in prompts:
-        if max_tokens is None and isinstance(p, str):
+        if max_tokens is None and isinstance(p, str) and not remote:
             # tokenized once: its length sets the default max_tokens
             p = backend.tokenizer.encode(p, add_special_tokens=body.add_special_tokens,
                                          max_tokens=backend.max_model_len)
-        mt = max_tokens if max_tokens is not None else default_max_tokens(backend, len(p))
+        mt = max_tokens if max_tokens is not None else \
+            default_max_tokens(backend, estimate_tokens(p) if remote else len(p))
         jobs.append((p, _sampling(backend, body, mt, body.logprobs)))
     rid = new_request_id()
     gen = Generation(backend, ctx.metrics, ctx.inflight, rid, jobs, n=body.n, priority=body.priority,
@@ -165,6 +171,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                               tools=guidance.tools or None, add_generation_prompt=body.add_generation_prompt,
                               add_special_tokens=body.add_special_tokens)
     ids = shaped.prompt
+    if isinstance(ids, RemotePrompt):      # the endpoint enforces tools and the answer's format itself
+        fmt = body.response_format
+        ids = ids.with_guidance(guidance.choice if guidance.tools else None,
+                                fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else None,
+                                body.parallel_tool_calls)
     max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens(backend, len(ids))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:

@@ -1,0 +1,408 @@
+"""A remote unit: one whose model runs behind an OpenAI-compatible endpoint (another SITS, a vLLM
+cluster, a cloud API), under the gateway's features like a local unit.
+
+The gateway does what it does for every unit (SLA breaker and fallback, metrics, tracing, request
+faults, sessions, retrieved memories, the tool loop, tenants' limits and usage); the endpoint
+renders its own chat template and enforces tools and ``response_format`` itself. So a chat request
+crosses as messages (a ``RemotePrompt``), not token ids, and the endpoint's stream comes back as the
+``TokenEvent``s every backend yields: one per text delta, tool calls written out in the tool-call
+text format the API layer reads back, and a finished event carrying the endpoint's own token counts.
+Before it runs, a request's prompt length is an estimate (what limits and tenant reservations
+count); what is settled is what the endpoint reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sits.engine.errors import InvalidRequestError, RequestAbortedError, SitsError
+from sits.engine.messages import EngineRequest, EngineStats, TokenEvent
+from sits.engine.sampling_params import SamplingParams
+from sits.engine.tool_format import ToolSpec, render_call
+from sits.faults import FaultInjector, FaultsSpec
+from sits.observe import tracing
+from sits.runtime.features import BackendFeatures
+from sits.runtime.hints import RequestHints
+from sits.runtime.openai_endpoint import OpenAIEndpoint
+from sits.runtime.sla import NOT_OUTCOMES, SlaBreaker
+from sits.runtime.unit_guard import FallbackGuard, record_outcome
+from sits.runtime.unit_metrics import MetricsWindow
+from sits.runtime.unit_spec import UnitSpec
+
+if TYPE_CHECKING:
+    from sits.runtime.gateway import UnitHost
+
+REMOTE_TOKEN = -1     # the token id of a remote endpoint's text delta: its vocabulary is not known here
+BYTES_PER_TOKEN = 4   # the usual rule of thumb for English text and BPE vocabularies
+
+
+def estimate_tokens(text: str) -> int:
+    return len(text.encode("utf-8", "replace")) // BYTES_PER_TOKEN + 1
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePrompt:
+    """A conversation as a remote endpoint takes it: messages (history and retrieved context already
+    in), the tools offered and how the answer must be shaped."""
+
+    messages: list[dict]
+    tools: list[ToolSpec] | None = None
+    tool_choice: str | None = None          # auto / required / none / a function's name
+    parallel_tool_calls: bool | None = None
+    response_format: dict | None = None
+
+    def __len__(self) -> int:
+        """Estimated prompt tokens (each message's text, plus a few for its role and separators)."""
+        n = sum(estimate_tokens(_text_of(m.get("content"))) + 4 for m in self.messages)
+        for m in self.messages:
+            for call in m.get("tool_calls") or []:
+                n += estimate_tokens(str(call))
+        return n + sum(estimate_tokens(str(t.parameters)) + 8 for t in self.tools or [])
+
+    def with_guidance(self, tool_choice: str | None, response_format: dict | None,
+                      parallel_tool_calls: bool | None = None) -> "RemotePrompt":
+        return RemotePrompt(self.messages, self.tools, tool_choice, parallel_tool_calls, response_format)
+
+
+def _text_of(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteRequest(EngineRequest):
+    """A request prepared for the endpoint: its path and JSON body, and the estimated prompt length."""
+
+    path: str = "/chat/completions"
+    body: dict = field(default_factory=dict)
+    estimated_prompt_tokens: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return self.estimated_prompt_tokens
+
+
+class EmbeddingsUnsupportedError(InvalidRequestError):
+    code = "embeddings_unsupported"
+
+
+@dataclass(slots=True)
+class _Call:
+    """One request on its way to the endpoint: where its events go, and the task reading them."""
+
+    queue: asyncio.Queue
+    task: asyncio.Task | None = None
+
+
+_END = object()
+
+
+class RemoteUnit(FallbackGuard):
+    """A unit behind an OpenAI-compatible endpoint (``backend:`` in its YAML), behind the ``Backend``
+    API like a local unit."""
+
+    def __init__(self, spec: UnitSpec, host: "UnitHost"):
+        b = spec.backend
+        if b is None:
+            raise ValueError(f"unit {spec.name} has no backend: it is a local unit")
+        self.spec = spec
+        self.name = spec.name
+        self.host = host
+        self.remote_model = b.model or spec.name
+        self.root = b.openai
+        self.created = int(time.time())
+        self.max_model_len = b.max_context
+        self.kv_capacity_tokens = b.max_context
+        self.tokenizer = None          # the endpoint's vocabulary is its own
+        api_key = None
+        if b.api_key_env is not None:
+            api_key = os.environ.get(b.api_key_env)
+            if not api_key:
+                raise InvalidRequestError(f"unit {spec.name}: the environment variable {b.api_key_env} "
+                                          "(backend.api_key_env) is not set in the gateway's environment",
+                                          param="backend.api_key_env", code="remote_api_key_missing")
+        self.endpoint = OpenAIEndpoint(b.openai, api_key, connect_timeout_s=b.connect_timeout_s,
+                                       read_timeout_s=b.read_timeout_s, max_connections=b.max_connections,
+                                       name=f"unit {spec.name}'s endpoint")
+        self.features = BackendFeatures(
+            ttft_slo_ms=spec.slo.ttft_ms, tools=tuple(spec.tools), tool_dirs=dict(spec.tool_dirs),
+            python_tools=spec.python_tools, memory_set=spec.memory.set if spec.memory else None,
+            memory_top_k=spec.memory.top_k if spec.memory else 4, pricing=spec.pricing, message_prompts=True)
+        self.sampling_defaults = {"max_tokens": b.max_tokens} | spec.sampling.overrides()
+        self.window = MetricsWindow(spec.scale.window_s)
+        self.breaker = SlaBreaker(spec.sla, spec.slo.ttft_ms, on_transition=self._breaker_moved)
+        self.fallbacks = 0
+        self.faults = FaultInjector(spec.faults or FaultsSpec())
+        self.inflight = 0
+        self.requests = 0
+        self.errors: collections.Counter = collections.Counter()
+        self.ingested: dict | None = None
+        self.last_decision = None
+        self._calls: dict[str, _Call] = {}
+
+    # -- the Backend API ------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return True
+
+    @property
+    def fault_hits(self) -> collections.Counter:
+        return self.faults.hits
+
+    def prepare(self, prompt: RemotePrompt | str | list[int], params: SamplingParams, *, request_id: str,
+                priority: int = 0, interactive: bool = True, add_special_tokens: bool = True,
+                lora: str | None = None) -> RemoteRequest:
+        if lora is not None:
+            raise InvalidRequestError(f"unit {self.name} is remote: it serves no LoRA adapter {lora!r}",
+                                      param="model", code="adapter_not_found")
+        if isinstance(prompt, list):
+            raise InvalidRequestError(f"unit {self.name} is remote: its endpoint has its own vocabulary, so "
+                                      "send text, not token ids", param="prompt", code="token_prompt_unsupported")
+        if params.logprobs is not None:
+            raise InvalidRequestError(f"unit {self.name} is remote: logprobs are not passed through",
+                                      param="logprobs", code="unsupported_parameter")
+        if params.stop_token_ids:
+            raise InvalidRequestError(f"unit {self.name} is remote: its token ids are not known here; use stop "
+                                      "strings", param="stop_token_ids", code="unsupported_parameter")
+        if request_id in self._calls:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id",
+                                      code="duplicate_request_id")
+        if isinstance(prompt, RemotePrompt):
+            path, body, estimate = "/chat/completions", self._chat_body(prompt, params), len(prompt)
+        else:
+            if not prompt:
+                raise InvalidRequestError("prompt is empty", param="prompt", code="empty_prompt")
+            path, estimate = "/completions", estimate_tokens(prompt)
+            body = {"model": self.remote_model, "prompt": prompt, "max_tokens": params.max_tokens}
+        body |= _sampling_fields(params)
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+        return RemoteRequest(request_id, [], params, priority, interactive, path=path, body=body,
+                             estimated_prompt_tokens=estimate)
+
+    def _chat_body(self, prompt: RemotePrompt, params: SamplingParams) -> dict:
+        body: dict = {"model": self.remote_model, "messages": prompt.messages,
+                      "max_completion_tokens": params.max_tokens}
+        if prompt.tools:
+            body["tools"] = [t.openai() for t in prompt.tools]
+            choice = prompt.tool_choice or "auto"
+            body["tool_choice"] = choice if choice in ("auto", "required", "none") else \
+                {"type": "function", "function": {"name": choice}}
+            if prompt.parallel_tool_calls is False:
+                body["parallel_tool_calls"] = False
+        if prompt.response_format is not None:
+            body["response_format"] = prompt.response_format
+        return body
+
+    def stream(self, seq: EngineRequest, hints: RequestHints | None = None) -> AsyncIterator[TokenEvent]:
+        return self._stream(seq, hints or RequestHints())
+
+    async def _stream(self, seq: EngineRequest, hints: RequestHints) -> AsyncIterator[TokenEvent]:
+        """The endpoint's events for ``seq``, with the request faults of this unit on the way and one
+        outcome for the breaker (as a local unit's dispatcher does)."""
+        from sits.runtime.dispatcher import StreamProgress
+
+        if not isinstance(seq, RemoteRequest):
+            raise TypeError("a remote unit streams requests it prepared")
+        self.window.arrival()
+        self.requests += 1
+        self.host.observe_call(self.name, hints)
+        primary = seq.request_id.endswith("-0")
+        probe = self.breaker.probe_started() if primary else None
+        progress = StreamProgress(seq)
+        error_code: str | None = None
+        faults = self.faults
+        self.inflight += 1
+        events = self._call(seq, faults.queue_lag_s(hints.path) if faults.active else 0.0)
+        if faults.active:
+            events = faults.delayed(events, hints.path, hold_first_s=faults.first_frame_s(hints.path))
+        try:
+            async for ev in events:
+                ev = progress.took(ev, 0)
+                if ev.finished:
+                    self.window.finished(progress.ttft_ms, (ev.time - ev.arrival_time) * 1e3, ev.num_output_tokens,
+                                         progress.itls)
+                yield ev
+        except SitsError as e:
+            self.errors[e.code] += 1
+            if e.http_status >= 500 and e.code not in NOT_OUTCOMES:
+                error_code = e.code
+            raise
+        finally:
+            await events.aclose()
+            self.inflight -= 1
+            if primary:
+                record_outcome(self.breaker, self.spec.slo.ttft_ms, progress, error_code, probe)
+
+    async def _call(self, seq: RemoteRequest, lag_s: float) -> AsyncIterator[TokenEvent]:
+        """Events as a reader task puts them on a queue, so ``abort`` can end the stream at once."""
+        call = _Call(asyncio.Queue())
+        self._calls[seq.request_id] = call
+        call.task = asyncio.get_running_loop().create_task(self._read(seq, call.queue, lag_s))
+        try:
+            while True:
+                item = await call.queue.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self._calls.pop(seq.request_id, None)
+            call.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await call.task
+
+    async def _read(self, seq: RemoteRequest, queue: asyncio.Queue, lag_s: float) -> None:
+        try:
+            if lag_s:
+                await asyncio.sleep(lag_s)      # fault: held in the gateway's queue
+            async for ev in self._events(seq):
+                queue.put_nowait(ev)
+            queue.put_nowait(_END)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - handed to the stream's reader, which raises it
+            queue.put_nowait(e)
+
+    async def _events(self, seq: RemoteRequest) -> AsyncIterator[TokenEvent]:
+        rid = seq.request_id
+        sent_at = time.monotonic()
+        scope = tracing.current_scope.get()
+        headers = {"traceparent": scope.traceparent} if scope is not None and scope.traceparent else None
+        first: float | None = None
+        index = 0
+        finish: str | None = None
+        usage: dict = {}
+        calls: dict[int, dict] = {}       # tool calls by their index, arguments accumulated
+        error: str | None = None
+        try:
+            async for chunk in self.endpoint.stream(seq.path, seq.body, headers):
+                if isinstance(chunk.get("usage"), dict):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices") or []:
+                    delta = choice.get("delta") or {}
+                    text = delta.get("content") if "delta" in choice else choice.get("text")
+                    for tc in delta.get("tool_calls") or []:
+                        _add_call_delta(calls, tc)
+                    if choice.get("finish_reason"):
+                        finish = choice["finish_reason"]
+                    if text:
+                        now = time.monotonic()
+                        first = first or now
+                        yield TokenEvent(rid, REMOTE_TOKEN, text, index, arrival_time=seq.arrival_time,
+                                         first_scheduled_time=sent_at, first_token_time=first, time=now,
+                                         num_prompt_tokens=seq.prompt_len, num_output_tokens=index + 1)
+                        index += 1
+        except SitsError as e:
+            error = e.code
+            raise
+        finally:
+            tracing.stage("remote.call", sent_at, time.monotonic(), level="L2", error=error,
+                          attributes={"server.address": self.endpoint.base_url, "sits.unit": self.name,
+                                      "gen_ai.request.model": self.remote_model, "sits.remote.path": seq.path})
+        now = time.monotonic()
+        if calls:        # written as the model would have, so the API layer reads them back as for a local unit
+            first = first or now
+            text = "\n".join(render_call({"function": calls[i]}) for i in sorted(calls))
+            yield TokenEvent(rid, REMOTE_TOKEN, text, index, arrival_time=seq.arrival_time,
+                             first_scheduled_time=sent_at, first_token_time=first, time=now,
+                             num_prompt_tokens=seq.prompt_len, num_output_tokens=index + 1)
+            index += 1
+        details = usage.get("prompt_tokens_details") or {}
+        yield TokenEvent(rid, None, "", index, finished=True,
+                         finish_reason="stop" if finish in (None, "tool_calls", "function_call") else finish,
+                         num_prompt_tokens=int(usage.get("prompt_tokens") or seq.prompt_len),
+                         num_output_tokens=int(usage.get("completion_tokens") or index),
+                         num_cached_tokens=int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0,
+                         arrival_time=seq.arrival_time, first_scheduled_time=sent_at,
+                         first_token_time=first or now, time=now)
+
+    def abort(self, request_id: str, error: SitsError | None = None) -> None:
+        call = self._calls.get(request_id)
+        if call is not None:
+            call.queue.put_nowait(error or RequestAbortedError(f"request {request_id} was aborted"))
+            if call.task is not None:
+                call.task.cancel()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(0, self.inflight, 0.0, 0, 0, 0, 0, 0.0, 0, 0, "remote")
+
+    def session_instance(self, session_id: str) -> None:
+        return None
+
+    async def embed(self, inputs: list[list[int]]):
+        raise EmbeddingsUnsupportedError(f"unit {self.name} is remote: embeddings are not passed through",
+                                         param="model")
+
+    # -- the gateway's side ---------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        """Nothing to scale: the endpoint's capacity is its own."""
+
+    async def close(self, error: SitsError | None = None) -> None:
+        for rid in list(self._calls):
+            self.abort(rid, error)
+        await self.endpoint.aclose()
+
+    def view(self) -> dict:
+        m = self.window.snapshot(queue_depth=0, inflight=self.inflight)
+        b = self.spec.backend
+        return {
+            "name": self.name, "kind": "remote", "model": self.remote_model,
+            "backend": {"openai": b.openai, "model": self.remote_model, "api_key_env": b.api_key_env},
+            "desired": 0, "instances": [], "waiting": 0, "inflight": self.inflight,
+            "requests": self.requests, "errors": dict(self.errors),
+            "metrics": {"ttft_p95_ms": m.ttft_p95, "itl_p95_ms": m.itl_p95, "rps": round(m.rps, 3),
+                        "tps": round(m.tps, 3)},
+            "slo_health": None, "last_decision": None, "cold_start": {},
+            "memory": None if self.spec.memory is None else {**self.spec.memory.model_dump(), "ingested": self.ingested},
+            "sla": self.breaker.view() | {"fallback": self.spec.fallback, "fallbacks": self.fallbacks},
+            "faults": self.faults.view() if self.faults.spec.inject else None,
+            "spec": self.spec.model_dump(),
+        }
+
+
+def _add_call_delta(calls: dict[int, dict], tc: dict) -> None:
+    """Merge one streamed ``tool_calls`` delta (the name comes once, the arguments in pieces)."""
+    slot = calls.setdefault(int(tc.get("index") or 0), {"name": "", "arguments": ""})
+    fn = tc.get("function") or {}
+    if fn.get("name"):
+        slot["name"] += fn["name"]
+    if fn.get("arguments"):
+        args = fn["arguments"]
+        slot["arguments"] += args if isinstance(args, str) else json.dumps(args)
+
+
+def _sampling_fields(p: SamplingParams) -> dict:
+    """The sampling parameters in the OpenAI API's names; the ones beyond it (vLLM's and SITS's) only
+    when they differ from their neutral value, so an endpoint that does not know them is not sent them."""
+    out: dict = {"temperature": p.temperature}
+    if p.top_p != 1.0:
+        out["top_p"] = p.top_p
+    if p.seed is not None:
+        out["seed"] = p.seed
+    if p.stop:
+        out["stop"] = list(p.stop)
+    if p.presence_penalty:
+        out["presence_penalty"] = p.presence_penalty
+    if p.frequency_penalty:
+        out["frequency_penalty"] = p.frequency_penalty
+    if p.top_k:
+        out["top_k"] = p.top_k
+    if p.min_p:
+        out["min_p"] = p.min_p
+    if p.repetition_penalty != 1.0:
+        out["repetition_penalty"] = p.repetition_penalty
+    if p.ignore_eos:
+        out["ignore_eos"] = True
+    return out
