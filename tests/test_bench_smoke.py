@@ -151,3 +151,15 @@ def test_fairness_bench_runs_both_variants(tiny_model_dir, tmp_path):
     assert set(data["summary"]) == {"off", "on", "ratios"} and data["requests"]["b"] > 0
     assert r["runs"]["on"][0]["b"]["requests"] == data["requests"]["b"]
     assert fairness_bench.DOC_BEGIN in docs.read_text() and (tmp_path / "img" / "fairness_bench.png").exists()
+
+
+def test_mesh_bench_compares_the_large_tier_directly_and_the_mesh(tiny_model_dir, tmp_path):
+    """`sits bench mesh`: both phases run against real servers and the docs section has its table."""
+    from sits.bench.mesh_bench import DOC_BEGIN as M_BEGIN, run_mesh_bench
+    docs = tmp_path / "benchmarks.md"
+    r = run_mesh_bench(tiny_model_dir, rounds=1, requests=4, concurrency=2, max_tokens=4, block_ms=1500, share=1.0,
+                       docs_out=str(docs))
+    assert set(r["phases"]) == {"large directly", "mesh [large, small]"}
+    assert r["phases"]["large directly"]["attainment"] == 0.0      # every request blocked past the SLO
+    assert sum(r["mesh_served_by"].values()) == 4 and r["phases"]["mesh [large, small]"]["requests"] == 4
+    assert M_BEGIN in docs.read_text() and (tmp_path / "img" / "mesh_bench.png").stat().st_size > 1000

@@ -4,7 +4,6 @@ out, and a rendered chat template (which spells out its special tokens) gets non
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import httpx

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import dense_greedy
-from sits.engine.errors import ContextLengthExceededError, InvalidRequestError, SitsError
+from sits.engine.errors import InvalidRequestError, SitsError
 from sits.engine.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

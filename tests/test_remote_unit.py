@@ -166,11 +166,11 @@ def test_an_unreachable_endpoint_opens_the_breaker_and_the_fallback_serves(gatew
 
 
 def test_a_remote_unit_spec_is_checked():
-    with pytest.raises(ValueError, match="either model"):
+    with pytest.raises(ValueError, match="one of model"):
         UnitSpec.model_validate({"name": "x"})
     with pytest.raises(ValueError, match="takes no adapters"):
         UnitSpec.model_validate({"name": "x", "backend": {"openai": "http://h/v1"}, "adapters": {"a": "/p"}})
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="not model and backend"):
         UnitSpec.model_validate({"name": "x", "model": "/m", "backend": {"openai": "http://h/v1"}})
 
 

@@ -12,7 +12,7 @@ import asyncio
 import httpx
 import pytest
 
-from sits.engine.config import EngineConfig, ModelConfig
+from sits.engine.config import ModelConfig
 from sits.engine.messages import EngineLimits
 from sits.engine.request_validator import plan_limits
 from sits.runtime.unit_pool import UnitPool

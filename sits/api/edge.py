@@ -65,9 +65,12 @@ class EdgeMiddleware:
             rid = uuid.uuid4().hex
         session = headers.get(b"x-session-id", b"").decode("latin-1")
         trace = _TRACEPARENT.match(headers.get(b"traceparent", b"").decode("latin-1"))
+        budget, cap = headers.get(b"x-sits-ttft-budget-ms"), headers.get(b"x-sits-cost-cap")
         current_hints.set(RequestHints(session_id=session if valid_session_id(session) else None,
                                        trace_id=trace.group(1) if trace else None,
-                                       path=scope.get("path")))
+                                       path=scope.get("path"),
+                                       ttft_budget_ms=budget.decode("latin-1") if budget is not None else None,
+                                       cost_cap=cap.decode("latin-1") if cap is not None else None))
         state = scope.setdefault("state", {})
         state["sits_accepted_at"] = t0
         state["request_id"] = rid

@@ -22,6 +22,7 @@ from sits.api.backend import BackendRegistry
 from sits.api.context import ServerSettings
 from sits.api.server import DrainingServer, event_loop_factory, listen_socket, serving_process_defaults, usage_banner
 from sits.runtime.gateway import Gateway
+from sits.runtime.mesh_unit import MeshUnit
 from sits.runtime.unit import UnitBackend
 from sits.runtime.unit_spec import UnitSpec
 
@@ -48,6 +49,10 @@ class _GatewayCollector(Collector):
         shed = CounterMetricFamily("sits:sla_rejected_requests", "requests the open breaker turned away "
                                    "(to the fallback or a 503)", labels=["unit"])
         faults = CounterMetricFamily("sits:fault_injections", "times an injected fault acted", labels=["unit", "kind"])
+        mesh_served = CounterMetricFamily("sits:mesh_requests", "requests a mesh's tier answered",
+                                          labels=["mesh", "tier"])
+        mesh_escalated = CounterMetricFamily("sits:mesh_escalations", "tiers a mesh gave up on, by rule",
+                                             labels=["mesh", "reason"])
         for name, b in self.gw.units.items():
             if isinstance(b, UnitBackend):      # a remote unit has no instances of its own
                 counts: dict[str, int] = {}
@@ -67,11 +72,17 @@ class _GatewayCollector(Collector):
             shed.add_metric([name], b.breaker.rejected)
             for kind, n in b.fault_hits.items():
                 faults.add_metric([name, kind], n)
+            if isinstance(b, MeshUnit):
+                for tier in b.spec.mesh.tiers:
+                    mesh_served.add_metric([name, tier], b.served_by.get(tier, 0))
+                for reason, n in b.escalations.items():
+                    mesh_escalated.add_metric([name, reason], n)
         for (unit, direction), n in self.gw.decisions.items():
             decisions.add_metric([unit, direction], n)
         for (unit, state), n in self.gw.breaker_transitions.items():
             moves.add_metric([unit, state], n)
-        yield from (inst, desired, health, starts, crashes, decisions, breaker, attain, moves, shed, faults)
+        yield from (inst, desired, health, starts, crashes, decisions, breaker, attain, moves, shed, faults,
+                    mesh_served, mesh_escalated)
 
 
 def build_gateway_app(gateway: Gateway, config_units: list[UnitSpec], settings: ServerSettings) -> FastAPI:

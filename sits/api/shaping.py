@@ -17,7 +17,7 @@ from sits.api.backend import Backend
 from sits.api.context import ServerContext
 from sits.api.retrieval import last_user_text, recall, with_context
 from sits.api.session import SessionTurn
-from sits.runtime.remote_unit import RemotePrompt
+from sits.runtime.message_unit import MessagePrompt
 from sits.tenancy.principal import scoped
 from sits.engine.errors import ContextLengthExceededError, InvalidRequestError
 from sits.engine.sampling_params import SamplingParams
@@ -28,7 +28,7 @@ from sits.engine.tool_format import ToolSpec
 class ShapedPrompt:
     """A request's prompt as the model will read it, and what was gathered on the way."""
 
-    prompt: str | list[int] | RemotePrompt   # token ids once a template rendered it; a plain text prompt as it is
+    prompt: str | list[int] | MessagePrompt   # token ids once a template rendered it; a plain text prompt as it is
     messages: list[dict] | None = None   # the whole conversation (history and retrieved context included)
     citations: list[dict] = field(default_factory=list)
 
@@ -74,17 +74,17 @@ async def _recall(ctx: ServerContext, backend: Backend, memory_ref: str | None, 
 
 
 def encode_chat(backend: Backend, messages: list[dict], *, tools: list[ToolSpec] | None = None,
-                add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int] | RemotePrompt:
+                add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int] | MessagePrompt:
     """The conversation rendered by the model's chat template and encoded (at most the context's
     length: anything longer is refused by ``prepare`` with the real numbers). The template spells
     out its special tokens, so the tokenizer adds none unless asked (``add_special_tokens``).
-    A backend with ``message_prompts`` (a remote endpoint, a mesh) gets the messages (a ``RemotePrompt``)."""
+    A backend with ``message_prompts`` (a remote endpoint, a mesh) gets the messages (a ``MessagePrompt``)."""
     if backend.features.message_prompts:
         if not add_generation_prompt:
             raise InvalidRequestError(f"{backend.name} renders its chat template where its model runs: "
                                       "add_generation_prompt: false is not passed through",
                                       param="add_generation_prompt", code="unsupported_parameter")
-        return RemotePrompt(messages, tools)
+        return MessagePrompt(messages, tools)
     if len(messages) > backend.max_model_len:     # every message renders to a token at least
         raise ContextLengthExceededError(f"{len(messages)} messages cannot fit in this model's "
                                          f"{backend.max_model_len} tokens", param="messages")

@@ -40,8 +40,8 @@ def _control(args: argparse.Namespace, method: str, path: str, body=None):
 
 
 def _instances_summary(u: dict) -> str:
-    if u.get("kind") == "remote":
-        return f"remote, {u['inflight']} in flight"
+    if u.get("kind") in ("remote", "mesh"):
+        return f"{u['kind']}, {u['inflight']} in flight"
     counts: dict[str, int] = {}
     for i in u["instances"]:
         counts[i["state"]] = counts.get(i["state"], 0) + 1
@@ -60,12 +60,38 @@ def cmd_iu(args: argparse.Namespace) -> int:
             print(f"{u['name']:<20} instances {_instances_summary(u):<20} desired {u['desired']} "
                   f"(min {sc['min_instances']}, max {sc['max_instances']})  model {u['model']}"
                   + (f" at {u['backend']['openai']}" if u.get("kind") == "remote" else ""))
+    elif args.iu_command == "export":
+        return _export(args)
     elif args.iu_command == "delete":
         _control(args, "DELETE", f"/v1/units/{args.name}")
         print(f"deleted {args.name}")
     elif args.iu_command == "scale":
         u = _control(args, "POST", f"/v1/units/{args.name}/scale", {"instances": args.instances})
         print(f"{u['name']}: desired {u['desired']}; instances: {_instances_summary(u)}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    """A unit (from its YAML file, or the gateway's deployed spec) as a Knative / KServe resource."""
+    import yaml
+
+    from sits.runtime.k8s_export import ExportOptions, export_unit
+    from sits.runtime.unit_spec import UnitSpec, load_unit_file
+    if (args.file is None) == (args.name is None):
+        raise SystemExit("sits iu export: name a deployed unit or give --file (one of them)")
+    spec = load_unit_file(args.file) if args.file else \
+        UnitSpec.model_validate(_control(args, "GET", f"/v1/units/{args.name}")["spec"])
+    out = export_unit(spec, args.format, ExportOptions(
+        image=args.image, namespace=args.namespace, model_path=args.model_path, pvc=args.pvc,
+        storage_uri=args.storage_uri, concurrency_target=args.concurrency_target))
+    text = "".join(f"# note: {n}\n" for n in out.notes)
+    text += yaml.safe_dump(out.manifest, sort_keys=False)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"wrote {args.output} ({out.manifest['kind']} {spec.name})")
+    else:
+        print(text, end="")
     return 0
 
 
@@ -120,6 +146,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     scl = iu.add_parser("scale", help="set a unit's instance count now (the autoscaler carries on from there)")
     scl.add_argument("name", help="the unit")
     scl.add_argument("instances", type=int, help="instances wanted now")
+    exp = iu.add_parser("export", help="write a unit as a Knative Service or KServe InferenceService running "
+                                       "`sits serve` (scale-to-zero from its scale block, resources from its resources)")
+    exp.add_argument("name", nargs="?", help="a deployed unit (read from the gateway)")
+    exp.add_argument("--file", help="the unit's YAML file instead of a deployed unit")
+    exp.add_argument("--format", choices=["knative", "kserve"], required=True,
+                     help="knative: a Knative Service; kserve: a KServe InferenceService (serverless mode)")
+    exp.add_argument("--image", default="sits:latest", help="a container image with SITS installed (default: %(default)s)")
+    exp.add_argument("--namespace", default=None, help="the resource's namespace (default: none, kubectl's current)")
+    exp.add_argument("--model-path", default=None,
+                     help="the model inside the container (default: /models/<folder name>, /mnt/models with --storage-uri)")
+    exp.add_argument("--pvc", default=None, help="a PersistentVolumeClaim holding the models, mounted at /models")
+    exp.add_argument("--storage-uri", default=None, help="kserve: the model's URI for KServe's storage initializer")
+    exp.add_argument("--concurrency-target", type=int, default=8,
+                     help="in-flight requests per replica before Knative adds one (default: %(default)s)")
+    exp.add_argument("-o", "--output", default=None, help="write here instead of stdout")
     for p in iu.choices.values():
         _add_client_args(p)
         p.set_defaults(func=cmd_iu)

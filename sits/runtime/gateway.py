@@ -27,6 +27,7 @@ from sits.runtime.hints import RequestHints
 from sits.runtime.prefetch import Prefetcher
 from sits.runtime.unit_store import UnitStore
 from sits.runtime.unit import UnitBackend
+from sits.runtime.mesh_unit import MeshUnit
 from sits.runtime.remote_unit import RemoteUnit
 from sits.runtime.zygote import ZygoteClient
 from sits.runtime.finetune_jobs import FinetuneJobs
@@ -40,7 +41,7 @@ class UnitHost(Protocol):
 
     def record(self, unit: str, kind: str, data: dict) -> None: ...
 
-    def unit(self, name: str) -> "UnitBackend | RemoteUnit | None": ...
+    def unit(self, name: str) -> "UnitBackend | RemoteUnit | MeshUnit | None": ...
 
     def kick(self, name: str) -> None: ...
 
@@ -90,7 +91,7 @@ class Gateway:
         self.prefetcher = Prefetcher(threshold=prefetch_threshold if prefetch else float("inf"))
         self.zygote: ZygoteClient | None = None
         self.store = UnitStore(self.data_dir)
-        self.units: dict[str, UnitBackend | RemoteUnit] = {}
+        self.units: dict[str, UnitBackend | RemoteUnit | MeshUnit] = {}
         self.tick_s = tick_s
         self.events: collections.deque[dict] = collections.deque(maxlen=1000)
         self.decisions: collections.Counter = collections.Counter()
@@ -116,7 +117,7 @@ class Gateway:
             b.autoscaler.state.calm_since = time.monotonic()
             b.pool.scale_to(b.pool.desired + 1, reason)
 
-    def unit(self, name: str) -> UnitBackend | RemoteUnit | None:
+    def unit(self, name: str) -> UnitBackend | RemoteUnit | MeshUnit | None:
         return self.units.get(name)
 
     def record(self, unit: str, kind: str, data: dict) -> None:
@@ -129,9 +130,14 @@ class Gateway:
             self.breaker_transitions[(unit, data["to"])] += 1
 
     # -- units ----------------------------------------------------------------------------------------
-    async def deploy(self, spec: UnitSpec, *, persist: bool = True) -> UnitBackend | RemoteUnit:
+    async def deploy(self, spec: UnitSpec, *, persist: bool = True) -> UnitBackend | RemoteUnit | MeshUnit:
         old = self.units.get(spec.name)
-        backend = RemoteUnit(spec, self) if spec.remote else await asyncio.to_thread(UnitBackend, spec, self)
+        if spec.kind == "remote":
+            backend = RemoteUnit(spec, self)
+        elif spec.kind == "mesh":
+            backend = MeshUnit(spec, self)
+        else:
+            backend = await asyncio.to_thread(UnitBackend, spec, self)
         # a set embedded by the unit's own model can only be ingested once the unit can run
         own_embedder = spec.memory is not None and spec.memory.embedder == "unit"
         if not own_embedder:
@@ -139,7 +145,7 @@ class Gateway:
         if old is not None:
             await self.undeploy(spec.name, persist=False)
         self.units[spec.name] = backend
-        if self.zygote is not None and self.zygote.alive and not spec.remote:
+        if self.zygote is not None and self.zygote.alive and spec.kind == "local":
             self.zygote.preload(asdict(spec.engine_config()))
         backend.tick(time.monotonic())           # min_instances start now
         if own_embedder:
@@ -152,8 +158,7 @@ class Gateway:
                 raise
         if persist:
             self.store.put(spec)
-        self.record(spec.name, "deployed", {"model": spec.model} if not spec.remote else
-                    {"backend": spec.backend.openai, "model": backend.remote_model})
+        self.record(spec.name, "deployed", {"kind": spec.kind, "model": backend.root})
         return backend
 
     async def _ingest(self, backend: UnitBackend) -> None:
@@ -182,9 +187,9 @@ class Gateway:
 
     def scale(self, name: str, n: int) -> UnitBackend:
         backend = self.units[name]
-        if isinstance(backend, RemoteUnit):
-            raise InvalidRequestError(f"unit {name} is remote: its endpoint ({backend.root}) scales itself",
-                                      param="name", code="unit_not_scalable")
+        if not isinstance(backend, UnitBackend):
+            raise InvalidRequestError(f"unit {name} is a {backend.spec.kind} unit ({backend.root}): it has no "
+                                      "instances of its own to scale", param="name", code="unit_not_scalable")
         hi = backend.spec.scale.max_instances
         if not 0 <= n <= hi:
             raise InvalidRequestError(f"unit {name} scales within [0, {hi}] (max_instances); got {n}",
@@ -236,9 +241,9 @@ class Gateway:
 
     async def _serve_adapter(self, unit: str, name: str, path: str) -> None:
         backend = self.units.get(unit)
-        if isinstance(backend, RemoteUnit):
-            raise InvalidRequestError(f"unit {unit!r} is remote: it cannot serve the adapter {name!r}",
-                                      param="serve_into", code="lora_unsupported")
+        if backend is not None and not isinstance(backend, UnitBackend):
+            raise InvalidRequestError(f"unit {unit!r} is a {backend.spec.kind} unit: it cannot serve the adapter "
+                                      f"{name!r}", param="serve_into", code="lora_unsupported")
         if backend is None:
             raise InvalidRequestError(f"no unit {unit!r} to serve the adapter {name!r} (deployed: "
                                       f"{', '.join(sorted(self.units)) or 'none'})", param="serve_into",

@@ -4,7 +4,7 @@ cluster, a cloud API), under the gateway's features like a local unit.
 The gateway does what it does for every unit (SLA breaker and fallback, metrics, tracing, request
 faults, sessions, retrieved memories, the tool loop, tenants' limits and usage); the endpoint
 renders its own chat template and enforces tools and ``response_format`` itself. So a chat request
-crosses as messages (a ``RemotePrompt``), not token ids, and the endpoint's stream comes back as the
+crosses as messages (a ``MessagePrompt``), not token ids, and the endpoint's stream comes back as the
 ``TokenEvent``s every backend yields: one per text delta, tool calls written out in the tool-call
 text format the API layer reads back, and a finished event carrying the endpoint's own token counts.
 Before it runs, a request's prompt length is an estimate (what limits and tenant reservations
@@ -14,7 +14,6 @@ count); what is settled is what the endpoint reports.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import os
@@ -24,60 +23,19 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sits.engine.errors import InvalidRequestError, RequestAbortedError, SitsError
-from sits.engine.messages import EngineRequest, EngineStats, TokenEvent
+from sits.engine.messages import EngineRequest, TokenEvent
 from sits.engine.sampling_params import SamplingParams
-from sits.engine.tool_format import ToolSpec, render_call
-from sits.faults import FaultInjector, FaultsSpec
+from sits.engine.tool_format import render_call
 from sits.observe import tracing
-from sits.runtime.features import BackendFeatures
 from sits.runtime.hints import RequestHints
+from sits.runtime.message_unit import MessagePrompt, MessageUnit, estimate_tokens
 from sits.runtime.openai_endpoint import OpenAIEndpoint
-from sits.runtime.sla import NOT_OUTCOMES, SlaBreaker
-from sits.runtime.unit_guard import FallbackGuard, record_outcome
-from sits.runtime.unit_metrics import MetricsWindow
 from sits.runtime.unit_spec import UnitSpec
 
 if TYPE_CHECKING:
     from sits.runtime.gateway import UnitHost
 
 REMOTE_TOKEN = -1     # the token id of a remote endpoint's text delta: its vocabulary is not known here
-BYTES_PER_TOKEN = 4   # the usual rule of thumb for English text and BPE vocabularies
-
-
-def estimate_tokens(text: str) -> int:
-    return len(text.encode("utf-8", "replace")) // BYTES_PER_TOKEN + 1
-
-
-@dataclass(frozen=True, slots=True)
-class RemotePrompt:
-    """A conversation as a remote endpoint takes it: messages (history and retrieved context already
-    in), the tools offered and how the answer must be shaped."""
-
-    messages: list[dict]
-    tools: list[ToolSpec] | None = None
-    tool_choice: str | None = None          # auto / required / none / a function's name
-    parallel_tool_calls: bool | None = None
-    response_format: dict | None = None
-
-    def __len__(self) -> int:
-        """Estimated prompt tokens (each message's text, plus a few for its role and separators)."""
-        n = sum(estimate_tokens(_text_of(m.get("content"))) + 4 for m in self.messages)
-        for m in self.messages:
-            for call in m.get("tool_calls") or []:
-                n += estimate_tokens(str(call))
-        return n + sum(estimate_tokens(str(t.parameters)) + 8 for t in self.tools or [])
-
-    def with_guidance(self, tool_choice: str | None, response_format: dict | None,
-                      parallel_tool_calls: bool | None = None) -> "RemotePrompt":
-        return RemotePrompt(self.messages, self.tools, tool_choice, parallel_tool_calls, response_format)
-
-
-def _text_of(content) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +51,6 @@ class RemoteRequest(EngineRequest):
         return self.estimated_prompt_tokens
 
 
-class EmbeddingsUnsupportedError(InvalidRequestError):
-    code = "embeddings_unsupported"
-
-
 @dataclass(slots=True)
 class _Call:
     """One request on its way to the endpoint: where its events go, and the task reading them."""
@@ -108,23 +62,20 @@ class _Call:
 _END = object()
 
 
-class RemoteUnit(FallbackGuard):
+class RemoteUnit(MessageUnit):
     """A unit behind an OpenAI-compatible endpoint (``backend:`` in its YAML), behind the ``Backend``
     API like a local unit."""
+
+    kind = "remote"
 
     def __init__(self, spec: UnitSpec, host: "UnitHost"):
         b = spec.backend
         if b is None:
             raise ValueError(f"unit {spec.name} has no backend: it is a local unit")
-        self.spec = spec
-        self.name = spec.name
-        self.host = host
+        super().__init__(spec, host, b.openai)
         self.remote_model = b.model or spec.name
-        self.root = b.openai
-        self.created = int(time.time())
         self.max_model_len = b.max_context
         self.kv_capacity_tokens = b.max_context
-        self.tokenizer = None          # the endpoint's vocabulary is its own
         api_key = None
         if b.api_key_env is not None:
             api_key = os.environ.get(b.api_key_env)
@@ -135,54 +86,17 @@ class RemoteUnit(FallbackGuard):
         self.endpoint = OpenAIEndpoint(b.openai, api_key, connect_timeout_s=b.connect_timeout_s,
                                        read_timeout_s=b.read_timeout_s, max_connections=b.max_connections,
                                        name=f"unit {spec.name}'s endpoint")
-        self.features = BackendFeatures(
-            ttft_slo_ms=spec.slo.ttft_ms, tools=tuple(spec.tools), tool_dirs=dict(spec.tool_dirs),
-            python_tools=spec.python_tools, memory_set=spec.memory.set if spec.memory else None,
-            memory_top_k=spec.memory.top_k if spec.memory else 4, pricing=spec.pricing, message_prompts=True)
-        self.sampling_defaults = {"max_tokens": b.max_tokens} | spec.sampling.overrides()
-        self.window = MetricsWindow(spec.scale.window_s)
-        self.breaker = SlaBreaker(spec.sla, spec.slo.ttft_ms, on_transition=self._breaker_moved)
-        self.fallbacks = 0
-        self.faults = FaultInjector(spec.faults or FaultsSpec())
-        self.inflight = 0
-        self.requests = 0
-        self.errors: collections.Counter = collections.Counter()
-        self.ingested: dict | None = None
-        self.last_decision = None
+        self.sampling_defaults = {"max_tokens": b.max_tokens} | self.sampling_defaults
         self._calls: dict[str, _Call] = {}
 
     # -- the Backend API ------------------------------------------------------------------------------
-    @property
-    def ready(self) -> bool:
-        return True
-
-    @property
-    def fault_hits(self) -> collections.Counter:
-        return self.faults.hits
-
-    def prepare(self, prompt: RemotePrompt | str | list[int], params: SamplingParams, *, request_id: str,
+    def prepare(self, prompt: MessagePrompt | str | list[int], params: SamplingParams, *, request_id: str,
                 priority: int = 0, interactive: bool = True, add_special_tokens: bool = True,
                 lora: str | None = None) -> RemoteRequest:
-        if lora is not None:
-            raise InvalidRequestError(f"unit {self.name} is remote: it serves no LoRA adapter {lora!r}",
-                                      param="model", code="adapter_not_found")
-        if isinstance(prompt, list):
-            raise InvalidRequestError(f"unit {self.name} is remote: its endpoint has its own vocabulary, so "
-                                      "send text, not token ids", param="prompt", code="token_prompt_unsupported")
-        if params.logprobs is not None:
-            raise InvalidRequestError(f"unit {self.name} is remote: logprobs are not passed through",
-                                      param="logprobs", code="unsupported_parameter")
-        if params.stop_token_ids:
-            raise InvalidRequestError(f"unit {self.name} is remote: its token ids are not known here; use stop "
-                                      "strings", param="stop_token_ids", code="unsupported_parameter")
-        if request_id in self._calls:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id",
-                                      code="duplicate_request_id")
-        if isinstance(prompt, RemotePrompt):
+        self.check_prompt(prompt, params, request_id, lora, self._calls)
+        if isinstance(prompt, MessagePrompt):
             path, body, estimate = "/chat/completions", self._chat_body(prompt, params), len(prompt)
         else:
-            if not prompt:
-                raise InvalidRequestError("prompt is empty", param="prompt", code="empty_prompt")
             path, estimate = "/completions", estimate_tokens(prompt)
             body = {"model": self.remote_model, "prompt": prompt, "max_tokens": params.max_tokens}
         body |= _sampling_fields(params)
@@ -190,7 +104,7 @@ class RemoteUnit(FallbackGuard):
         return RemoteRequest(request_id, [], params, priority, interactive, path=path, body=body,
                              estimated_prompt_tokens=estimate)
 
-    def _chat_body(self, prompt: RemotePrompt, params: SamplingParams) -> dict:
+    def _chat_body(self, prompt: MessagePrompt, params: SamplingParams) -> dict:
         body: dict = {"model": self.remote_model, "messages": prompt.messages,
                       "max_completion_tokens": params.max_tokens}
         if prompt.tools:
@@ -205,44 +119,15 @@ class RemoteUnit(FallbackGuard):
         return body
 
     def stream(self, seq: EngineRequest, hints: RequestHints | None = None) -> AsyncIterator[TokenEvent]:
-        return self._stream(seq, hints or RequestHints())
-
-    async def _stream(self, seq: EngineRequest, hints: RequestHints) -> AsyncIterator[TokenEvent]:
-        """The endpoint's events for ``seq``, with the request faults of this unit on the way and one
-        outcome for the breaker (as a local unit's dispatcher does)."""
-        from sits.runtime.dispatcher import StreamProgress
-
+        """The endpoint's events for ``seq``, with this unit's request faults on the way."""
         if not isinstance(seq, RemoteRequest):
             raise TypeError("a remote unit streams requests it prepared")
-        self.window.arrival()
-        self.requests += 1
-        self.host.observe_call(self.name, hints)
-        primary = seq.request_id.endswith("-0")
-        probe = self.breaker.probe_started() if primary else None
-        progress = StreamProgress(seq)
-        error_code: str | None = None
+        hints = hints or RequestHints()
         faults = self.faults
-        self.inflight += 1
         events = self._call(seq, faults.queue_lag_s(hints.path) if faults.active else 0.0)
         if faults.active:
             events = faults.delayed(events, hints.path, hold_first_s=faults.first_frame_s(hints.path))
-        try:
-            async for ev in events:
-                ev = progress.took(ev, 0)
-                if ev.finished:
-                    self.window.finished(progress.ttft_ms, (ev.time - ev.arrival_time) * 1e3, ev.num_output_tokens,
-                                         progress.itls)
-                yield ev
-        except SitsError as e:
-            self.errors[e.code] += 1
-            if e.http_status >= 500 and e.code not in NOT_OUTCOMES:
-                error_code = e.code
-            raise
-        finally:
-            await events.aclose()
-            self.inflight -= 1
-            if primary:
-                record_outcome(self.breaker, self.spec.slo.ttft_ms, progress, error_code, probe)
+        return self.guarded(seq, hints, events)
 
     async def _call(self, seq: RemoteRequest, lag_s: float) -> AsyncIterator[TokenEvent]:
         """Events as a reader task puts them on a queue, so ``abort`` can end the stream at once."""
@@ -335,41 +220,20 @@ class RemoteUnit(FallbackGuard):
             if call.task is not None:
                 call.task.cancel()
 
-    def stats(self) -> EngineStats:
-        return EngineStats(0, self.inflight, 0.0, 0, 0, 0, 0, 0.0, 0, 0, "remote")
-
-    def session_instance(self, session_id: str) -> None:
-        return None
-
-    async def embed(self, inputs: list[list[int]]):
-        raise EmbeddingsUnsupportedError(f"unit {self.name} is remote: embeddings are not passed through",
-                                         param="model")
+    def predicted_ttft_ms(self) -> float:
+        """The recent TTFT p95 (0 before the first answer): the endpoint's queue is not visible here."""
+        return self.window.snapshot().ttft_p95 or 0.0
 
     # -- the gateway's side ---------------------------------------------------------------------------
-    def tick(self, now: float) -> None:
-        """Nothing to scale: the endpoint's capacity is its own."""
-
     async def close(self, error: SitsError | None = None) -> None:
         for rid in list(self._calls):
             self.abort(rid, error)
         await self.endpoint.aclose()
 
     def view(self) -> dict:
-        m = self.window.snapshot(queue_depth=0, inflight=self.inflight)
         b = self.spec.backend
-        return {
-            "name": self.name, "kind": "remote", "model": self.remote_model,
-            "backend": {"openai": b.openai, "model": self.remote_model, "api_key_env": b.api_key_env},
-            "desired": 0, "instances": [], "waiting": 0, "inflight": self.inflight,
-            "requests": self.requests, "errors": dict(self.errors),
-            "metrics": {"ttft_p95_ms": m.ttft_p95, "itl_p95_ms": m.itl_p95, "rps": round(m.rps, 3),
-                        "tps": round(m.tps, 3)},
-            "slo_health": None, "last_decision": None, "cold_start": {},
-            "memory": None if self.spec.memory is None else {**self.spec.memory.model_dump(), "ingested": self.ingested},
-            "sla": self.breaker.view() | {"fallback": self.spec.fallback, "fallbacks": self.fallbacks},
-            "faults": self.faults.view() if self.faults.spec.inject else None,
-            "spec": self.spec.model_dump(),
-        }
+        return super().view() | {"model": self.remote_model, "backend": {
+            "openai": b.openai, "model": self.remote_model, "api_key_env": b.api_key_env}}
 
 
 def _add_call_delta(calls: dict[int, dict], tc: dict) -> None:

@@ -49,6 +49,7 @@ class LoraDisabledError(SitsError):
 
 log = logging.getLogger("sits.runtime")
 MEMORY_ACCOUNT_INTERVAL_S = 60.0     # a live instance's memory-time is apportioned this often
+COLD_START_GUESS_MS = 5000.0         # a unit that has never started: what its first start is assumed to take
 
 
 
@@ -252,6 +253,17 @@ class UnitBackend(FallbackGuard):
                            hits / queries if queries else 0.0, sum(s.num_preemptions for s in ready),
                            sum(s.num_steps for s in ready), self.spec.resources.policy,
                            self.pool.last_cold_start())
+
+    def predicted_ttft_ms(self) -> float:
+        """The TTFT a request sent now would likely see: the recent p95, the queue ahead of it spread
+        over the READY instances, and a cold start when none is READY (what a mesh routes by)."""
+        p95 = self.window.snapshot().ttft_p95 or 0.0
+        ready = len(self.pool.ready())
+        queue = self.dispatcher.waiting
+        if ready:
+            return p95 * (1 + queue / ready)
+        cold = self.pool.last_cold_start().get("total_ms") or COLD_START_GUESS_MS
+        return cold + p95 * (1 + queue)
 
     # -- scaling --------------------------------------------------------------------------------------
     def tick(self, now: float) -> ScaleDecision:

@@ -136,6 +136,38 @@ class RemoteBackendSpec(_Strict):
     max_connections: int = Field(64, ge=1, le=4096)
 
 
+class MeshEscalationSpec(_Strict):
+    """When a mesh gives up on a tier's answer and re-runs the request on the next tier."""
+
+    deadline: bool = Field(True, description="no first token within the request's TTFT budget: the next tier")
+    errors: bool = Field(True, description="a server-side error or a rate limit of the tier: the next tier")
+    invalid_output: bool = Field(True, description="a malformed tool call, or an answer that is not the JSON "
+                                                   "response_format asks for: the next tier (the answer is held "
+                                                   "back until it is checked)")
+    min_mean_logprob: float | None = Field(None, le=0, description="a local tier's answer whose mean token "
+                                                                    "logprob is below this: the next tier (held "
+                                                                    "back until it is checked)")
+
+
+class MeshSpec(_Strict):
+    """A unit that routes each request over tiers of other units by its SLA and their live state."""
+
+    tiers: list[Annotated[str, StringConstraints(pattern=UNIT_NAME)]] = Field(
+        ..., min_length=1, max_length=8, description="units in escalation order (e.g. small, medium, large)")
+    ttft_budget_ms: float = Field(2000.0, gt=0, description="a request's TTFT budget unless it sends "
+                                                            "X-SITS-TTFT-Budget-Ms")
+    cost_cap: float | None = Field(None, gt=0, description="the most a request may cost on a tier (the tier's "
+                                                           "pricing); X-SITS-Cost-Cap overrides")
+    escalate: MeshEscalationSpec = Field(default_factory=MeshEscalationSpec)
+
+    @field_validator("tiers")
+    @classmethod
+    def _unique(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("a tier is listed twice")
+        return v
+
+
 class SamplingDefaultsSpec(_Strict):
     """What a request that leaves a sampling parameter unset gets from this unit: over the model's own
     ``generation_config.json`` (as vLLM's ``--override-generation-config``)."""
@@ -177,6 +209,7 @@ class UnitSpec(_Strict):
     name: str = Field(..., pattern=UNIT_NAME, description="lowercase letters, digits, '.', '_', '-'")
     model: str | None = Field(None, min_length=1, description="a local Hugging Face model directory or .gguf file")
     backend: RemoteBackendSpec | None = Field(None, description="a remote unit: the OpenAI-compatible endpoint serving it")
+    mesh: MeshSpec | None = Field(None, description="a mesh: requests routed over tiers of other units")
     prompt_template: str | None = Field(None, description="Jinja around the user input: {{ input }}")
     scale: ScaleSpec = Field(default_factory=ScaleSpec)
     slo: SloSpec = Field(default_factory=SloSpec)
@@ -215,20 +248,27 @@ class UnitSpec(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _model_or_backend(self) -> "UnitSpec":
-        if (self.model is None) == (self.backend is None):
-            raise ValueError("a unit has either model: (a local model) or backend: (a remote endpoint)"
-                             + (", not both" if self.model is not None else ""))
-        if self.backend is not None:       # what runs on instances has no meaning for an endpoint
+    def _one_kind(self) -> "UnitSpec":
+        kinds = [k for k in ("model", "backend", "mesh") if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise ValueError("a unit has one of model: (a local model), backend: (a remote endpoint) or mesh: "
+                             "(tiers of other units)" + (f", not {' and '.join(kinds)}" if kinds else ""))
+        if self.kind != "local":       # what runs on instances has no meaning for an endpoint or a mesh
             local_only = [f for f in ("adapters", "prompt_template") if getattr(self, f)]
             local_only += [f for f, default in (("scale", ScaleSpec()), ("resources", ResourcesSpec()))
                            if getattr(self, f) != default]
             if self.memory is not None and self.memory.embedder == "unit":
                 local_only.append("memory.embedder: unit")
             if local_only:
-                raise ValueError(f"a remote unit (backend:) takes no {', '.join(local_only)}: those configure "
-                                 "a local model's instances")
+                raise ValueError(f"a {self.kind} unit ({kinds[0]}:) takes no {', '.join(local_only)}: those "
+                                 "configure a local model's instances")
+        if self.mesh is not None and self.name in self.mesh.tiers:
+            raise ValueError(f"mesh {self.name!r} cannot be one of its own tiers")
         return self
+
+    @property
+    def kind(self) -> Literal["local", "remote", "mesh"]:
+        return "remote" if self.backend is not None else "mesh" if self.mesh is not None else "local"
 
     @property
     def remote(self) -> bool:

@@ -13,7 +13,7 @@ import logging
 import sqlite3
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from sits.engine.errors import SitsError

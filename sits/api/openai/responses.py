@@ -27,7 +27,7 @@ from sits.api.openai.responses_protocol import ResponsesRequest, input_messages
 from sits.api.openai.routes import ERRORS, from_first, open_events, response_headers, run_to_end
 from sits.api.openai.structured import Guidance, ToolCallStream, make_guidance, tool_specs
 from sits.api.shaping import default_max_tokens, sampling_params, shape_chat
-from sits.runtime.remote_unit import RemotePrompt
+from sits.runtime.message_unit import MessagePrompt
 from sits.api.sse import SSEResponse, sse_event
 from sits.engine.errors import InvalidRequestError, SitsError
 from sits.engine.messages import TokenEvent
@@ -78,7 +78,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     try:
         shaped = await shape_chat(ctx, backend, system + history + new_input, turn=None, memory_ref=None,
                                   response_id=f"resp_{rid}", tools=guidance.tools or None)
-        if isinstance(shaped.prompt, RemotePrompt):     # the endpoint enforces tools and the format itself
+        if isinstance(shaped.prompt, MessagePrompt):     # the endpoint enforces tools and the format itself
             shaped.prompt = shaped.prompt.with_guidance(guidance.choice if guidance.tools else None,
                                                         _chat_response_format(fmt), body.parallel_tool_calls)
         max_tokens = body.max_output_tokens or default_max_tokens(backend, len(shaped.prompt))

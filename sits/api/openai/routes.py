@@ -31,7 +31,7 @@ from sits.api.sse import SSE_DONE, ClientDisconnected, SSEResponse, sse_data, un
 from sits.engine.errors import InvalidRequestError, SitsError
 from sits.engine.messages import TokenEvent
 from sits.engine.sampling_params import SamplingParams
-from sits.runtime.remote_unit import RemotePrompt, estimate_tokens
+from sits.runtime.message_unit import MessagePrompt, estimate_tokens
 from sits.observe import genai, tracing
 
 router = APIRouter()
@@ -171,7 +171,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                               tools=guidance.tools or None, add_generation_prompt=body.add_generation_prompt,
                               add_special_tokens=body.add_special_tokens)
     ids = shaped.prompt
-    if isinstance(ids, RemotePrompt):      # the endpoint enforces tools and the answer's format itself
+    if isinstance(ids, MessagePrompt):      # the endpoint enforces tools and the answer's format itself
         fmt = body.response_format
         ids = ids.with_guidance(guidance.choice if guidance.tools else None,
                                 fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else None,

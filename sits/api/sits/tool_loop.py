@@ -22,7 +22,7 @@ from sits.api.generation import Generation
 from sits.api.shaping import encode_chat
 from sits.api.sits.request_store import TrackedRequest
 from sits.engine.sampling_params import SamplingParams
-from sits.runtime.remote_unit import RemotePrompt
+from sits.runtime.message_unit import MessagePrompt
 from sits.engine.tool_format import ToolCall, ToolSpec, parse_tool_calls, prose_grammar, tool_call_grammar
 from sits.observe import genai, tracing
 from sits.tools import ToolContract, ToolError
@@ -93,7 +93,7 @@ class ToolLoop:
                         ids: list[int] | None) -> StepResult:
         if ids is None:
             ids = encode_chat(self.backend, messages, tools=self.specs)
-        if isinstance(ids, RemotePrompt):     # a remote unit's endpoint holds the model to the choice itself
+        if isinstance(ids, MessagePrompt):     # a remote unit's endpoint holds the model to the choice itself
             ids = ids.with_guidance(choice, None)
         # the last step (choice "none") may not call: prose only, or the model could still write a call
         grammar = tool_call_grammar(self.specs, choice) if choice != "none" else prose_grammar()
