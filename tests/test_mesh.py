@@ -156,3 +156,31 @@ def test_bad_sla_headers_and_what_a_mesh_refuses_are_typed(gw):
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
     with pytest.raises(ValueError, match="its own tiers"):
         mesh("loop", ["loop"])
+
+
+def test_the_plan_orders_tiers_by_budget_cost_and_priority():
+    """``MeshUnit.plan`` over tiers whose live state is set by hand: what fits the budget in order; an
+    urgent request the fastest first; nothing within the budget: the fastest alone."""
+    from types import SimpleNamespace
+
+    from sits.engine.sampling_params import SamplingParams
+    from sits.runtime.mesh_unit import MeshUnit
+    from sits.tenancy.spec import PricingSpec
+
+    def tier(name, ttft, open_=False, price=0.0):
+        return SimpleNamespace(name=name, predicted_ttft_ms=lambda: ttft,
+                               breaker=SimpleNamespace(admits=lambda: not open_),
+                               features=SimpleNamespace(pricing=PricingSpec(output_per_mtok=price), shape=None))
+
+    tiers = {"a": tier("a", 900), "b": tier("b", 300), "c": tier("c", 100, price=1e6), "d": tier("d", 50, True)}
+    host = SimpleNamespace(unit=tiers.get, record=lambda *a: None)
+    m = MeshUnit(mesh("m", ["a", "b", "c", "d"]), host)
+    req = m.prepare("hello", SamplingParams(max_tokens=10), request_id="r-0")
+    order, skipped = m.plan(req, budget_ms=1000, cap=None)
+    assert [t.name for t in order] == ["a", "b", "c"] and skipped == [("d", "breaker_open")]
+    order, skipped = m.plan(req, budget_ms=500, cap=1.0)          # c costs 10 units; a is too slow
+    assert [t.name for t in order] == ["b"] and set(skipped) == {("d", "breaker_open"), ("c", "over_cost_cap"),
+                                                                 ("a", "predicted_ttft_over_budget")}
+    urgent = m.prepare("hello", SamplingParams(max_tokens=10), request_id="u-0", priority=5)
+    assert [t.name for t in m.plan(urgent, budget_ms=1000, cap=None)[0]] == ["c", "a", "b"]
+    assert [t.name for t in m.plan(req, budget_ms=10, cap=None)[0]] == ["c"]     # none fits: the fastest tries

@@ -223,3 +223,17 @@ def test_tenants_are_charged_what_the_endpoint_counted(upstream, tmp_path):
         assert rows[0]["prompt_tokens"] == want.prompt_tokens and rows[0]["completion_tokens"] == want.completion_tokens
     finally:
         srv.stop()
+
+
+def test_retrieved_memories_reach_the_endpoint(gateway):
+    srv, _ = gateway
+    docs = ["The river festival starts at dawn on the first Sunday of June.",
+            "Invoices are due thirty days after the billing date."]
+    assert httpx.post(srv.url + "/v1/memory/kb", json={"texts": docs}, timeout=60).status_code == 201
+    body = {"model": "big", "messages": [{"role": "user", "content": "When does the river festival start?"}],
+            "max_tokens": 4, "temperature": 0}
+    plain = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60).json()
+    grounded = httpx.post(srv.url + "/v1/chat/completions", json={**body, "memory_ref": "kb"}, timeout=60).json()
+    assert grounded["citations"] and "river festival" in grounded["citations"][0]["text"]
+    # the endpoint counted the retrieved context in its prompt
+    assert grounded["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 10

@@ -115,6 +115,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         phases = u["cold_start"].get("phases_ms") or {}
         if phases:
             print("    last cold start: " + ", ".join(f"{k} {v:.0f}ms" for k, v in phases.items()))
+        by_node: dict[str, dict[str, int]] = {}
+        for i in u["instances"]:
+            if i.get("node"):
+                states = by_node.setdefault(i["node"], {})
+                states[i["state"]] = states.get(i["state"], 0) + 1
+        for node, states in sorted(by_node.items()):
+            print(f"    node {node}: " + ", ".join(f"{n} {st}" for st, n in states.items()))
         quotas = {i["cpu_quota"]["mechanism"] + (f" {i['cpu_quota']['cpus']:g} cpu" if i["cpu_quota"]["cpus"] else "")
                   for i in u["instances"] if i.get("cpu_quota")}
         if quotas:
@@ -122,6 +129,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         if (f := u.get("start_failure")):
             print(f"    FAILING TO START ({f['failures_in_a_row']} in a row, next try in {f['retry_in_s']:.1f}s): "
                   f"{f['error']}")
+    if st.get("nodes"):
+        print()
+        print("Ray nodes: " + ", ".join(f"{n['node_id']} ({n['ip']})" for n in st["nodes"]))
     print()
     print(f"{'SLA':<16} {'ttft slo':>9} {'target':>7} {'attained':>9} {'in window':>9}  {'breaker':<9} {'trips':>5} "
           f"{'shed':>5}  fallback")

@@ -159,9 +159,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     config = args.config
     if config is None and os.path.exists("sits.yaml"):
         config = "sits.yaml"
-    units = load_runtime_config(config).units if config else []
+    cfg = load_runtime_config(config) if config else None
+    units = cfg.units if cfg else []
+    ray = args.ray or (cfg.ray_address if cfg is not None and cfg.cluster == "ray" else None)
     return up(units, _server_settings(args), data_dir=args.data_dir, host=args.host, port=args.port,
-              log_level=args.log_level, prefetch=not args.no_prefetch)
+              log_level=args.log_level, prefetch=not args.no_prefetch, ray=ray)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -200,5 +202,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     upp.add_argument("--data-dir", default=os.environ.get("SITS_DATA_DIR", ".sits"),
                      help="where the deployed units and sessions are kept (default: $SITS_DATA_DIR, else .sits)")
     upp.add_argument("--no-prefetch", action="store_true", help="turn trace-driven pre-warming off")
+    upp.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                     help="place instances on a Ray cluster's nodes by their unit's resources: auto (the running "
+                          "cluster; the default when given bare), an address, or local (a one-node Ray started "
+                          "here); default: off (or the config's cluster: ray)")
     _add_http_args(upp)
     upp.set_defaults(func=cmd_up)

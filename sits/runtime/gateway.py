@@ -47,7 +47,7 @@ class UnitHost(Protocol):
 
     def observe_call(self, unit: str, hints: RequestHints) -> None: ...
 
-    def launcher(self): ...
+    def launcher(self, spec: UnitSpec | None = None, footprint_bytes: int = 0): ...
 
     tenancy: "Tenancy | None"      # where usage is recorded (instance memory-time), when tenants are kept
 
@@ -79,7 +79,10 @@ class _UnitEmbedder:
 
 class Gateway:
     def __init__(self, data_dir: str | Path, *, tick_s: float = 1.0, zygote: bool = True,
-                 prefetch: bool = True, prefetch_threshold: float = 0.85, tenant_store: str | None = None):
+                 prefetch: bool = True, prefetch_threshold: float = 0.85, tenant_store: str | None = None,
+                 ray: str | None = None, ray_placement_timeout_s: float = 60.0):
+        """``ray``: place instances on a Ray cluster (``auto``, an address, or ``local`` for a one-node
+        Ray started here) instead of forking them from this host's zygote."""
         self.data_dir = Path(data_dir)
         # vector memory of the data directory (RAG units ingest into it; the HTTP layer serves it)
         self.memory = open_memory_store(self.data_dir)
@@ -90,6 +93,9 @@ class Gateway:
         self.use_zygote = zygote
         self.prefetcher = Prefetcher(threshold=prefetch_threshold if prefetch else float("inf"))
         self.zygote: ZygoteClient | None = None
+        self.ray_address = ray
+        self.ray_placement_timeout_s = ray_placement_timeout_s
+        self.cluster = None                     # RayCluster, with --ray
         self.store = UnitStore(self.data_dir)
         self.units: dict[str, UnitBackend | RemoteUnit | MeshUnit] = {}
         self.tick_s = tick_s
@@ -98,8 +104,12 @@ class Gateway:
         self.breaker_transitions: collections.Counter = collections.Counter()   # (unit, to state) -> n
         self._loop_task: asyncio.Task | None = None
 
-    def launcher(self):
-        """How instances start now: forked from the zygote while it lives, else a fresh interpreter."""
+    def launcher(self, spec: UnitSpec | None = None, footprint_bytes: int = 0):
+        """How instances start now: placed on a Ray node by the unit's resources (``--ray``), forked
+        from the zygote while it lives, else a fresh interpreter."""
+        if self.cluster is not None and spec is not None:
+            from sits.runtime.ray_cluster import Placement
+            return self.cluster.launcher(Placement.of(spec, footprint_bytes))
         z = self.zygote
         return z.fork if z is not None and z.alive else None
 
@@ -145,7 +155,9 @@ class Gateway:
         if old is not None:
             await self.undeploy(spec.name, persist=False)
         self.units[spec.name] = backend
-        if self.zygote is not None and self.zygote.alive and spec.kind == "local":
+        if spec.kind == "local" and self.cluster is not None:
+            self.cluster.preload(asdict(spec.engine_config()))
+        elif spec.kind == "local" and self.zygote is not None and self.zygote.alive:
             self.zygote.preload(asdict(spec.engine_config()))
         backend.tick(time.monotonic())           # min_instances start now
         if own_embedder:
@@ -207,8 +219,15 @@ class Gateway:
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self, config_units: list[UnitSpec]) -> None:
-        """Start the zygote; deploy the persisted units, then the config's (which win on a name clash); tick."""
-        if self.use_zygote:
+        """Start the zygote (or join the Ray cluster); deploy the persisted units, then the config's
+        (which win on a name clash); tick."""
+        if self.ray_address is not None:
+            from sits.runtime.ray_cluster import RayCluster
+            self.cluster = RayCluster(None if self.ray_address == "local" else self.ray_address,
+                                      self.ray_placement_timeout_s)
+            await self.cluster.start()
+            self.record("", "ray_ready", {"nodes": self.cluster.view()})
+        elif self.use_zygote:
             try:
                 self.zygote = await ZygoteClient.start()
                 self.record("", "zygote_ready", {"pid": self.zygote.info["pid"],
@@ -231,6 +250,11 @@ class Gateway:
         while True:
             await asyncio.sleep(self.tick_s)
             now = time.monotonic()
+            if self.cluster is not None:
+                try:
+                    await self.cluster.refresh()
+                except Exception:  # noqa: BLE001 - Ray unreachable for a moment: next tick tries again
+                    log.exception("refreshing the Ray cluster's nodes failed")
             for backend in list(self.units.values()):
                 try:
                     if isinstance(backend, UnitBackend):
@@ -259,10 +283,15 @@ class Gateway:
             await backend.close()
         if self.zygote is not None:
             await self.zygote.shutdown()
+        if self.cluster is not None:
+            await self.cluster.close()
         self.store.close()
         self.memory.close()
         if self.tenancy is not None:
             await self.tenancy.aclose()
 
     def status(self) -> dict:
-        return {"units": [b.view() for b in self.units.values()], "events": list(self.events)[-50:]}
+        out = {"units": [b.view() for b in self.units.values()], "events": list(self.events)[-50:]}
+        if self.cluster is not None:
+            out["nodes"] = self.cluster.view()
+        return out

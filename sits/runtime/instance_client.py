@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -97,12 +98,17 @@ class InstanceBackend(AdapterCalls):
                 shutil.rmtree(sock_dir, ignore_errors=True)
                 raise
         if on_phase is not None:
-            on_phase("spawned", {"pid": proc.pid})
+            node = getattr(proc, "node_id", None)
+            on_phase("spawned", {"pid": proc.pid, "node": node[:12] if node else None})
         conn: FrameProtocol | None = None
         tokenizer_task = None if tokenizer is not None else asyncio.create_task(
             asyncio.to_thread(Tokenizer.from_dir, cfg.model))
         try:
-            conn = await asyncio.wait_for(cls._connect(path, proc), start_timeout_s)
+            address = getattr(proc, "address", None)
+            if address is not None and address.startswith("tcp://"):      # an instance on another node
+                conn = await asyncio.wait_for(cls._connect_tcp(address, proc.token), start_timeout_s)
+            else:
+                conn = await asyncio.wait_for(cls._connect(path, proc), start_timeout_s)
             hello = await conn.next_frame()
             assert isinstance(hello, Hello), hello
             if on_phase is not None:
@@ -138,6 +144,15 @@ class InstanceBackend(AdapterCalls):
                 except (ConnectionRefusedError, FileNotFoundError):
                     pass
             await asyncio.sleep(0.002)
+
+    @staticmethod
+    async def _connect_tcp(address: str, token: str) -> FrameProtocol:
+        """An instance's TCP address (it listens before the fork is reported): its token goes first."""
+        host, _, port = address[len("tcp://"):].rpartition(":")
+        _, conn = await asyncio.get_running_loop().create_connection(FrameProtocol, host.strip("[]"), int(port))
+        conn.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.transport.write(token.encode())
+        return conn
 
     # -- the Backend API ------------------------------------------------------------------------------
     @property

@@ -1,4 +1,4 @@
-"""An instance: one engine in its own process, driven over a Unix socket.
+"""An instance: one engine in its own process, driven over a Unix socket (or TCP, on a Ray node).
 
 The process is a driver of ``EngineCore``: one thread reads engine messages
 (``sits.engine.messages``) from the socket, hands them to the core, steps it, and writes each step's
@@ -47,21 +47,67 @@ def lower_priority() -> None:
             pass
 
 
-def listen_on(sock_path: str) -> socket.socket:
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(sock_path)
-    os.chmod(sock_path, 0o600)
-    listener.listen(1)
+TOKEN_TIMEOUT_S = 10.0     # a TCP peer that has not sent the token by then is dropped
+
+
+def listen_on(address: str) -> socket.socket:
+    """A Unix socket at a path (private: mode 0600), or ``tcp://HOST:PORT`` (port 0: any free one;
+    a peer must send the instance's token first, see ``serve_instance``)."""
+    if address.startswith("tcp://"):
+        host, _, port = address[len("tcp://"):].rpartition(":")
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host.strip("[]"), int(port)))
+    else:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(address)
+        os.chmod(address, 0o600)
+    listener.listen(4)
     return listener
 
 
-def serve_instance(cfg_dict: dict, sock_path: str, preloaded=None, listener: socket.socket | None = None) -> int:
+def bound_address(listener: socket.socket, address: str) -> str:
+    """Where a peer reaches ``listener`` (a TCP port 0 resolved to the one bound)."""
+    if not address.startswith("tcp://"):
+        return address
+    host, port = listener.getsockname()[:2]
+    return f"tcp://{host}:{port}"
+
+
+def _accept(listener: socket.socket, token: str | None) -> socket.socket:
+    """The front end's connection: on TCP, the first peer that sends ``token`` before anything else
+    (nothing it sent is unpickled before that); others are dropped."""
+    import hmac
+    while True:
+        conn, _ = listener.accept()
+        if token is None:
+            return conn
+        want = token.encode()
+        conn.settimeout(TOKEN_TIMEOUT_S)
+        got = b""
+        try:
+            while len(got) < len(want):
+                chunk = conn.recv(len(want) - len(got))
+                if not chunk:
+                    break
+                got += chunk
+        except OSError:
+            pass
+        if hmac.compare_digest(got, want):
+            conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return conn
+        conn.close()
+
+
+def serve_instance(cfg_dict: dict, sock_path: str, preloaded=None, listener: socket.socket | None = None,
+                   token: str | None = None) -> int:
     """``preloaded``: a PreloadedModel this process inherited (a zygote fork), used when it fits;
     ``listener``: the socket already bound at ``sock_path`` (a zygote binds it before forking, so the
-    front end can connect the moment the fork is reported)."""
+    front end can connect the moment the fork is reported); ``token``: what a TCP peer must send first."""
     listener = listener or listen_on(sock_path)
     lower_priority()
-    conn, _ = listener.accept()
+    conn = _accept(listener, token)
     listener.close()
 
     from sits.engine.messages import Fatal, Hello, Ready

@@ -89,7 +89,8 @@ class UnitBackend(FallbackGuard):
         self.footprint_bytes = weight_bytes + self.limits.kv_capacity_tokens * shape.kv_bytes_per_token
         self._memory_accounted_at = time.monotonic()
         self.pool = UnitPool(spec, on_event=self._pool_event,
-                             launcher=host.launcher, tokenizer=self.tokenizer, limits=self.limits,
+                             launcher=lambda: host.launcher(self.spec, self.footprint_bytes),
+                             tokenizer=self.tokenizer, limits=self.limits,
                              footprint_bytes=self.footprint_bytes,
                              on_stopped=lambda inst: self._account_memory(inst, final=True))
         self.autoscaler = Autoscaler(spec.scale, spec.slo)

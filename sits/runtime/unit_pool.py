@@ -54,6 +54,7 @@ class Instance:
     error: str | None = None
     task: asyncio.Task | None = None
     quota: dict | None = None                      # the CpuQuota applied to its process, if any
+    node: str | None = None                        # the Ray node it runs on (None: this host)
     meter: InstanceMeter | None = None             # its memory-time, apportioned to the tenants it serves
     cold_start_claimed: bool = False               # a request that waited for this start was charged it
 
@@ -68,7 +69,7 @@ class Instance:
 
     def view(self) -> dict:
         cs = self.cold_start()
-        return {"id": self.id, "state": self.state.value, "pid": self.pid, "inflight": self.inflight,
+        return {"id": self.id, "state": self.state.value, "pid": self.pid, "node": self.node, "inflight": self.inflight,
                 "cold_start_ms": cs["phases_ms"], "total_ms": cs["total_ms"], "error": self.error,
                 "cpu_quota": self.quota}
 
@@ -221,14 +222,17 @@ class UnitPool:
             marks[phase] = time.monotonic()
             if phase == "spawned":
                 inst.pid = info.get("pid")
+                inst.node = info.get("node")
                 cpus = self.spec.resources.cpu_quota
-                if cpus is not None and inst.pid:
+                if cpus is not None and inst.pid and inst.node is None:    # Ray accounts for a node's CPUs
                     inst.quota = quota_manager().apply(inst.pid, cpus, inst.id).to_dict()
             if phase == "loading" and inst.state is InstanceState.STARTING:
                 inst.state = InstanceState.WARMING
 
         launcher = self._launcher()
         how = "fork" if launcher is not None else "spawn"
+        if getattr(launcher, "places", False):
+            how = "place_and_fork"          # Ray placement on a node, then that node's zygote forks
         try:
             backend = await InstanceBackend.spawn(cfg, self.spec.name, on_phase=on_phase,
                                                   launcher=launcher, tokenizer=self.tokenizer)

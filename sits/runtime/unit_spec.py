@@ -303,6 +303,10 @@ class UnitSpec(_Strict):
 
 class RuntimeConfig(_Strict):
     units: list[UnitSpec] = Field(default_factory=list)
+    cluster: Literal["local", "ray"] = Field("local", description="local: instances forked on this host; ray: "
+                                                                  "placed on the nodes of a Ray cluster")
+    ray_address: str = Field("auto", min_length=1, description="with cluster: ray: auto (the running cluster), "
+                                                               "an address, or local (start a one-node Ray here)")
 
     @model_validator(mode="after")
     def _unique(self) -> "RuntimeConfig":

@@ -4,8 +4,9 @@ A frame is a 4-byte big-endian length, a 1-byte codec tag and the body. The engi
 (``sits.engine.messages``: a request per request, a ``StepOutput`` per step) are MessagePack by
 msgspec with a typed decoder per message type, as in vLLM: 3 to 6 times faster than pickle for
 them (``sits bench wire``). Anything else (the zygote's control tuples, embeddings' arrays) is
-pickled; that is safe here because both ends are SITS processes of the same user and the socket
-lives in a 0700 directory.
+pickled; that is safe here because both ends are SITS processes of the same user: a Unix socket
+lives in a 0700 directory, and an instance on another Ray node listens on TCP but reads no frame
+before its peer has sent the instance's one-time token (``instance_worker.serve_instance``).
 """
 
 from __future__ import annotations

@@ -12,8 +12,11 @@ pools do not survive a fork); each child sets up its own. CUDA cannot cross a fo
 for CPU engines, GPU instances load their own weights.
 
 Protocol (frames of ``sits.runtime.wire`` over a Unix socket, one client): ``("preload",
-engine_config_dict)`` (no reply); ``("fork", socket_path, engine_config_dict)`` → ``("forked", pid)``
-or ``("fork_failed", message)``; the zygote reaps its children and reports ``("exited", pid, code)``.
+engine_config_dict)`` (no reply); ``("fork", address, engine_config_dict, {"token": ...})`` →
+``("forked", pid, address)`` or ``("fork_failed", message)`` (``address``: a socket path, or
+``tcp://HOST:0`` for an instance reached from another node: the port it got comes back); the
+zygote reaps its children and reports ``("exited", pid, code)``. With ``SITS_DIE_WITH_PARENT`` set
+(a Ray node's agent sets it), the zygote and its children die with their parent.
 
     python -m sits.runtime.zygote --socket PATH
 """
@@ -33,7 +36,7 @@ import tempfile
 import threading
 import time
 
-from sits.runtime.instance_worker import listen_on
+from sits.runtime.instance_worker import bound_address, listen_on
 from sits.runtime.wire import FrameDecoder, encode, read_frame, send_blocking
 
 PRELOAD = ("torch", "safetensors", "tokenizers", "jinja2", "sits.engine.llm_engine", "sits.engine.models.llama",
@@ -73,17 +76,29 @@ def _preloaded(cfg_dict: dict):
         return None
 
 
+DIE_WITH_PARENT = "SITS_DIE_WITH_PARENT"     # set: this zygote and its instances end when its parent does
+
+
+def die_with_parent() -> None:
+    """Be killed when the parent process ends (``PR_SET_PDEATHSIG``): a zygote started by a Ray
+    node's agent, and its instances, go with the node."""
+    import ctypes
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
+
+
 def _child(sock_path: str, cfg: dict, fds_to_close: list[socket.socket], preloaded=None,
-           listener: socket.socket | None = None) -> None:
+           listener: socket.socket | None = None, token: str | None = None) -> None:
     for s in fds_to_close:
         s.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    if os.environ.get(DIE_WITH_PARENT):
+        die_with_parent()
     code = 1
     try:
         from sits.runtime.instance_worker import serve_instance
-        code = serve_instance(cfg, sock_path, preloaded, listener)
+        code = serve_instance(cfg, sock_path, preloaded, listener, token)
     except (BrokenPipeError, ConnectionResetError):
         code = 0
     except BaseException:  # noqa: BLE001 - the child must never return into the zygote's loop
@@ -97,6 +112,8 @@ def _child(sock_path: str, cfg: dict, fds_to_close: list[socket.socket], preload
 
 def serve_zygote(control_path: str) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if os.environ.get(DIE_WITH_PARENT):
+        die_with_parent()
     preload_ms = preload()
     import torch
     torch.set_num_threads(1)     # never start an intra-op pool here: it would not survive the fork
@@ -118,19 +135,21 @@ def serve_zygote(control_path: str) -> int:
                 if msg[0] == "preload":
                     _preloaded(msg[1])
                 elif msg[0] == "fork":
-                    _, sock_path, cfg = msg
+                    _, sock_path, cfg, *opts = msg
+                    token = opts[0].get("token") if opts else None
                     pre = _preloaded(cfg)
                     try:
                         inst_listener = listen_on(sock_path)
+                        address = bound_address(inst_listener, sock_path)
                         pid = os.fork()
                     except OSError as e:
                         send_blocking(conn, ("fork_failed", str(e)))
                         continue
                     if pid == 0:
-                        _child(sock_path, cfg, [conn, listener], pre, inst_listener)
+                        _child(address, cfg, [conn, listener], pre, inst_listener, token)
                     inst_listener.close()
                     children.add(pid)
-                    send_blocking(conn, ("forked", pid))
+                    send_blocking(conn, ("forked", pid, address))
                 elif msg[0] == "shutdown":
                     return 0
         for pid in list(children):
@@ -146,10 +165,12 @@ def serve_zygote(control_path: str) -> int:
 
 
 class ForkedProcess:
-    """A zygote child, handled like ``subprocess.Popen`` (poll, wait, kill) by its non-parent."""
+    """A zygote child, handled like ``subprocess.Popen`` (poll, wait, kill) by its non-parent;
+    ``address``: where it listens (a Unix socket path, or ``tcp://HOST:PORT``)."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, address: str | None = None):
         self.pid = pid
+        self.address = address
         self.returncode: int | None = None
         self._exited = threading.Event()
 
@@ -193,11 +214,11 @@ class ZygoteClient:
         self._task = asyncio.get_running_loop().create_task(self._read_loop(), name="zygote-reader")
 
     @classmethod
-    async def start(cls, timeout_s: float = 120.0) -> "ZygoteClient":
+    async def start(cls, timeout_s: float = 120.0, env: dict | None = None) -> "ZygoteClient":
         sock_dir = tempfile.mkdtemp(prefix="sits-zygote-")
         path = os.path.join(sock_dir, "zygote.sock")
         proc = subprocess.Popen([sys.executable, "-m", "sits.runtime.zygote", "--socket", path],
-                                stdin=subprocess.DEVNULL)
+                                stdin=subprocess.DEVNULL, env=env)
         try:
             deadline = time.monotonic() + timeout_s
             while True:
@@ -225,19 +246,25 @@ class ZygoteClient:
         if self.alive:
             self._writer.write(encode(("preload", cfg)))
 
-    async def fork(self, sock_path: str, cfg: dict) -> ForkedProcess:
+    async def fork(self, sock_path: str, cfg: dict, *, token: str | None = None) -> ForkedProcess:
+        """An instance forked to listen at ``sock_path`` (or ``tcp://HOST:0``: a port the zygote picks,
+        reachable by a peer that sends ``token`` first)."""
         if not self.alive:
             raise RuntimeError("the zygote is gone")
         async with self._lock:           # replies come back in request order
-            self._writer.write(encode(("fork", sock_path, cfg)))
+            self._writer.write(encode(("fork", sock_path, cfg, {"token": token})))
             reply = await self._pending.get()
         if isinstance(reply, BaseException):
             raise reply
         if reply[0] != "forked":
             raise RuntimeError(f"zygote could not fork: {reply[1]}")
-        child = ForkedProcess(reply[1])
+        child = ForkedProcess(reply[1], reply[2])
         self._children[child.pid] = child
         return child
+
+    def child(self, pid: int) -> ForkedProcess | None:
+        """A live child of this zygote, by its pid."""
+        return self._children.get(pid)
 
     async def _read_loop(self) -> None:
         try:
