@@ -176,6 +176,56 @@ def test_load_and_unload_while_serving(base, adapters):
     assert cached == 0 and tokens == _reference(made["a"], _prompt(8), tokens).argmax(-1).tolist()[:len(tokens)]
 
 
+def test_an_adapter_being_read_never_stalls_the_running_streams(base, adapters, monkeypatch):
+    """The folder is read off the step thread: a stream keeps getting tokens while the read is held
+    (here at an Event, as a slow disk would hold it), a second load of the name is refused at once,
+    and once read the adapter serves the next request."""
+    import asyncio
+    import threading
+
+    from sits.engine import lora as lora_module
+    from sits.engine.async_engine import AsyncEngine
+    from sits.engine.errors import SitsError
+    from sits.engine.lora import AdapterExistsError
+
+    path, _ = base
+    root, made = adapters
+    started, release = threading.Event(), threading.Event()
+    real = lora_module.load_adapter
+
+    def held(*args, **kw):
+        started.set()
+        assert release.wait(60)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(lora_module, "load_adapter", held)
+    eng = AsyncEngine(_engine(path, root, [], enable_lora=True))
+
+    async def main() -> None:
+        params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+        stream = eng.stream(eng.prepare(_prompt(7, 8), params, request_id="long"))
+        for _ in range(3):
+            await anext(stream)
+        load = asyncio.create_task(eng.load_adapter("b", str(root / "b")))
+        assert await asyncio.to_thread(started.wait, 30)
+        for _ in range(20):                   # tokens keep coming while the adapter is being read
+            ev = await anext(stream)
+        assert not load.done() and not ev.finished
+        with pytest.raises(SitsError) as refused:
+            await eng.load_adapter("b", str(root / "a"))
+        assert refused.value.code == AdapterExistsError.code and refused.value.http_status == 409
+        release.set()
+        views = await asyncio.wait_for(load, 60)
+        assert [v["name"] for v in views] == ["b"]
+        req = eng.prepare(_prompt(8), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), lora="b")
+        tokens = [ev.token_id async for ev in eng.stream(req) if ev.token_id is not None]
+        assert tokens == _reference(made["b"], _prompt(8), tokens).argmax(-1).tolist()[:len(tokens)]
+        await stream.aclose()
+        await eng.shutdown()
+
+    asyncio.run(main())
+
+
 def test_adapters_that_do_not_fit_are_refused(base, adapters, tmp_path):
     path, hf = base
     root, _ = adapters

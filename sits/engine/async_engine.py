@@ -26,6 +26,7 @@ from sits.engine.messages import (AbortRequest, AdaptersChanged, EngineInput, En
 from sits.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("sits.engine")
+PENDING_POLL_S = 0.005     # while an adapter is read off the step thread, how often an idle loop looks
 
 
 async def events_until_finished(queue: asyncio.Queue) -> AsyncIterator[TokenEvent]:
@@ -210,10 +211,12 @@ class AsyncEngine(AdapterCalls):
                         break
                     for out in core.handle(msg):
                         self._output(out)
+                for out in core.finished_work():
+                    self._output(out)
                 if not core.has_unfinished:
                     if core.idle_work():
                         continue
-                    self._wake.wait(0.5)
+                    self._wake.wait(PENDING_POLL_S if core.pending else 0.5)
                     self._wake.clear()
                     continue
                 self._output(core.step())

@@ -3,15 +3,20 @@
 A driver owns the thread the core runs on and moves messages in and outputs out; the core does
 everything else. ``AsyncEngine`` is a driver on a thread of the caller's process; an instance
 process (``sits.runtime.instance_worker``) is a driver behind a socket. Both loop the same way:
-``handle`` each input as it arrives, ``step`` while ``has_unfinished``, ``idle_work`` otherwise.
+``handle`` each input as it arrives, ``step`` while ``has_unfinished``, ``idle_work`` otherwise, and
+send what ``finished_work`` returns (answers to work done off the step thread). A LoRA adapter's
+folder is read on a thread of its own, so a large one never stalls the running streams; it is
+served between two steps once read (``pending``: the driver polls for it meanwhile).
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from sits.engine.errors import SitsError
 from sits.engine.llm_engine import LLMEngine
+from sits.engine.lora import AdapterExistsError
 from sits.engine.messages import (AbortRequest, AdaptersChanged, EmbedRequest, Embedded, EngineInput, EngineOutput,
                                   EngineRequest, EngineStats, FaultDirectives, LoadAdapter, Ping, Pong, RequestError,
                                   StepOutput, UnloadAdapter)
@@ -23,10 +28,17 @@ class EngineCore:
         self._faults = FaultDirectives()
         self._faults_since = 0.0
         self._dropped_ping: int | None = None     # answered once pings resume (the front end asks only once)
+        self._reads: dict[str, tuple[LoadAdapter, Future]] = {}   # adapter folders being read, by request id
+        self._reader: ThreadPoolExecutor | None = None
 
     @property
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished
+
+    @property
+    def pending(self) -> bool:
+        """Work under way off the step thread (an adapter being read): ``finished_work`` will answer it."""
+        return bool(self._reads)
 
     @property
     def busy(self) -> bool:
@@ -47,17 +59,22 @@ class EngineCore:
                 return [Embedded(msg.request_id, self.engine.embed(msg.inputs))]
             except SitsError as e:
                 return [RequestError.of(msg.request_id, e)]
-        elif isinstance(msg, (LoadAdapter, UnloadAdapter)):     # between steps: no request sees half an adapter
+        elif isinstance(msg, LoadAdapter):       # read off the step thread; served between steps once read
             try:
-                if isinstance(msg, LoadAdapter):
-                    self.engine.load_adapter(msg.name, msg.path)
-                else:
-                    self.engine.unload_adapter(msg.name)
+                if self.engine.adapters is not None:
+                    self.engine.adapters.check_new(msg.name)
+                    if any(m.name == msg.name for m, _ in self._reads.values()):
+                        raise AdapterExistsError(f"adapter {msg.name!r} is being loaded already", param="lora_name")
+                if self._reader is None:
+                    self._reader = ThreadPoolExecutor(1, thread_name_prefix="adapter-read")
+                self._reads[msg.request_id] = (msg, self._reader.submit(self.engine.read_adapter, msg.name, msg.path))
             except SitsError as e:
                 return [RequestError.of(msg.request_id, e)]
-            except Exception as e:     # noqa: BLE001 - one adapter's problem never takes the engine down
-                return [RequestError.of(msg.request_id, SitsError(
-                    f"the adapter {msg.name!r} could not be changed: {type(e).__name__}: {e}"))]
+        elif isinstance(msg, UnloadAdapter):     # between steps: no request sees half an adapter
+            try:
+                self.engine.unload_adapter(msg.name)
+            except SitsError as e:
+                return [RequestError.of(msg.request_id, e)]
             return [AdaptersChanged(msg.request_id, self.engine.adapter_views())]
         elif isinstance(msg, Ping):
             if not self._faults.drop_pings:
@@ -71,6 +88,23 @@ class EngineCore:
         else:
             raise TypeError(f"EngineCore cannot handle {type(msg).__name__}")
         return []
+
+    def finished_work(self) -> list[EngineOutput]:
+        """Answers to work that finished off the step thread: adapters read, now served (call between steps)."""
+        out: list[EngineOutput] = []
+        for rid, (msg, fut) in list(self._reads.items()):
+            if not fut.done():
+                continue
+            del self._reads[rid]
+            try:
+                self.engine.install_adapter(msg.name, fut.result())
+                out.append(AdaptersChanged(rid, self.engine.adapter_views()))
+            except SitsError as e:
+                out.append(RequestError.of(rid, e))
+            except Exception as e:     # noqa: BLE001 - one adapter's problem never takes the engine down
+                out.append(RequestError.of(rid, SitsError(
+                    f"the adapter {msg.name!r} could not be loaded: {type(e).__name__}: {e}")))
+        return out
 
     def step(self) -> StepOutput:
         """One engine step: its token events and the requests that failed in it."""

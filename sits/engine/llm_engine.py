@@ -26,7 +26,7 @@ from sits.engine.errors import EngineStepError, InvalidRequestError, NonFiniteLo
 from sits.engine.guided import vocabulary_for
 from sits.engine.kv_cache import KVCache
 from sits.engine.loader import load_model
-from sits.engine.lora import AdapterInUseError, AdapterManager, AdapterNotFoundError
+from sits.engine.lora import AdapterInUseError, AdapterManager, AdapterNotFoundError, LoraAdapter
 from sits.engine.messages import EngineRequest, EngineStats, TokenEvent
 from sits.engine.model_runner import ModelRunner
 from sits.engine.request_validator import RequestValidator, plan_limits
@@ -173,11 +173,22 @@ class LLMEngine:
     # -- adapters -------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str) -> dict:
         """Read a PEFT LoRA folder and serve it as ``name`` (between steps; no request is disturbed)."""
+        return self.install_adapter(name, self.read_adapter(name, path))
+
+    def read_adapter(self, name: str, path: str) -> LoraAdapter:
+        """A PEFT LoRA folder read into host memory (safe beside the engine's steps: nothing is served yet)."""
+        return self._lora_manager().read(name, path)
+
+    def install_adapter(self, name: str, adapter: LoraAdapter) -> dict:
+        """Serve an adapter ``read_adapter`` returned (between steps)."""
+        self._lora_manager().add(name, adapter)
+        return next(a for a in self.adapters.view() if a["name"] == name)
+
+    def _lora_manager(self) -> AdapterManager:
         if self.adapters is None:
             raise InvalidRequestError("this engine was started without LoRA support (enable_lora)", param="lora_name",
                                       code="lora_disabled")
-        self.adapters.load(name, path)
-        return next(a for a in self.adapters.view() if a["name"] == name)
+        return self.adapters
 
     def adapter_views(self) -> list[dict]:
         return self.adapters.view() if self.adapters is not None else []

@@ -291,12 +291,25 @@ class AdapterManager:
         self.resident: OrderedDict[str, int] = OrderedDict()      # name -> slot, least recently used first
 
     def load(self, name: str, path: str | Path) -> LoraAdapter:
+        """Read and serve an adapter now (``read`` then ``add``)."""
+        return self.add(name, self.read(name, path))
+
+    def read(self, name: str, path: str | Path) -> LoraAdapter:
+        """An adapter's folder into host memory, checked against this engine; serves nothing yet (no
+        engine state is touched, so it may run beside the engine's steps)."""
+        self.check_new(name)
+        return load_adapter(name, path, self.mc, self.dtype, self.max_rank)
+
+    def check_new(self, name: str) -> None:
         if not name or ":" in name or "/" in name:
             raise InvalidRequestError(f"adapter name {name!r}: use letters, digits, '-', '_' or '.'",
                                       param="lora_name", code="invalid_adapter_name")
         if name in self.host:
             raise AdapterExistsError(f"adapter {name!r} is loaded already; unload it first", param="lora_name")
-        adapter = load_adapter(name, path, self.mc, self.dtype, self.max_rank)
+
+    def add(self, name: str, adapter: LoraAdapter) -> LoraAdapter:
+        """Serve an adapter ``read`` returned (between steps)."""
+        self.check_new(name)
         self.host[name] = adapter
         self.roots[name] = xxhash.xxh64_intdigest(f"lora:{name}:{next(self._serial)}".encode()) & 0x7FFF_FFFF_FFFF_FFFF
         return adapter

@@ -31,6 +31,7 @@ import time
 from sits.runtime.wire import FrameDecoder, send_blocking
 
 STATS_INTERVAL_S = 0.05    # while busy, engine stats follow the events at most this often
+PENDING_POLL_S = 0.005     # while an adapter is read off the step thread, how often an idle loop looks
 DEFAULT_NICE = 10
 
 
@@ -136,7 +137,8 @@ def _loop(core, conn: socket.socket) -> int:
     dirty = True
     last_stats = 0.0
     while True:
-        readable, _, _ = select.select([conn], [], [], 0 if core.busy else (None if not dirty else 0))
+        wait = 0 if core.busy or dirty else (PENDING_POLL_S if core.pending else None)
+        readable, _, _ = select.select([conn], [], [], wait)
         if readable:
             data = conn.recv(1 << 20)
             if not data:
@@ -147,6 +149,9 @@ def _loop(core, conn: socket.socket) -> int:
                 for out in core.handle(msg):
                     send_blocking(conn, out)
                 dirty = True
+        for out in core.finished_work():
+            send_blocking(conn, out)
+            dirty = True
         if core.has_unfinished:
             out = core.step()
             if out.events or out.errors:     # tokens first: the stats below are for dashboards
