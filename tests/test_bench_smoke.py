@@ -161,6 +161,7 @@ def test_mesh_bench_compares_the_large_tier_directly_and_the_mesh(tiny_model_dir
                        docs_out=str(docs))
     assert set(r["phases"]) == {"large directly", "mesh [large, small]"}
     assert r["phases"]["large directly"]["attainment"] == 0.0      # every request blocked past the SLO
+    assert r["phases"]["mesh [large, small]"]["attainment"] >= 0.75    # the mesh gives up on large in time
     assert sum(r["mesh_served_by"].values()) == 4 and r["phases"]["mesh [large, small]"]["requests"] == 4
     assert M_BEGIN in docs.read_text() and (tmp_path / "img" / "mesh_bench.png").stat().st_size > 1000
 

@@ -44,6 +44,7 @@ def gw(upstream, tiny_model_dir, tmp_path_factory):
              mesh("picky", ["small", "large"], escalate={"min_mean_logprob": -0.01}),
              mesh("via-cold", ["cold", "large"], ttft_budget_ms=1000),
              mesh("via-broken", ["broken", "small"]),
+             mesh("held", ["small", "broken"]),
              mesh("frugal", ["large", "small"])]
     g = Gateway(tmp_path_factory.mktemp("mesh-gw"), tick_s=0.2)
     app = build_gateway_app(g, units, ServerSettings(drain_grace_s=0.5, trace_exporter="memory",
@@ -160,7 +161,8 @@ def test_bad_sla_headers_and_what_a_mesh_refuses_are_typed(gw):
 
 def test_the_plan_orders_tiers_by_budget_cost_and_priority():
     """``MeshUnit.plan`` over tiers whose live state is set by hand: what fits the budget in order; an
-    urgent request the fastest first; nothing within the budget: the fastest alone."""
+    urgent request the fastest first; tiers predicted to miss the budget after those that fit (the
+    fastest first), as fallbacks."""
     from types import SimpleNamespace
 
     from sits.engine.sampling_params import SamplingParams
@@ -179,8 +181,34 @@ def test_the_plan_orders_tiers_by_budget_cost_and_priority():
     order, skipped = m.plan(req, budget_ms=1000, cap=None)
     assert [t.name for t in order] == ["a", "b", "c"] and skipped == [("d", "breaker_open")]
     order, skipped = m.plan(req, budget_ms=500, cap=1.0)          # c costs 10 units; a is too slow
-    assert [t.name for t in order] == ["b"] and set(skipped) == {("d", "breaker_open"), ("c", "over_cost_cap"),
-                                                                 ("a", "predicted_ttft_over_budget")}
+    assert [t.name for t in order] == ["b", "a"] and set(skipped) == {
+        ("d", "breaker_open"), ("c", "over_cost_cap"), ("a", "predicted_ttft_over_budget")}
     urgent = m.prepare("hello", SamplingParams(max_tokens=10), request_id="u-0", priority=5)
     assert [t.name for t in m.plan(urgent, budget_ms=1000, cap=None)[0]] == ["c", "a", "b"]
-    assert [t.name for t in m.plan(req, budget_ms=10, cap=None)[0]] == ["c"]     # none fits: the fastest tries
+    assert [t.name for t in m.plan(req, budget_ms=10, cap=None)[0]] == ["c", "b", "a"]   # none fits: fastest first
+
+
+def test_the_held_answer_is_served_when_every_later_tier_fails(gw):
+    srv, _ = gw
+    # small's answer is cut off (not JSON): held; broken, the last tier, cannot be reached: small's answer
+    kw = dict(max_tokens=4, response_format={"type": "json_object"})
+    r = chat(srv, "held", **kw)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == direct(srv, "small", **kw)
+    view = httpx.get(f"{srv.url}/v1/units/held").json()
+    assert view["escalations"] == {"invalid_json": 1, "error": 1}
+    events = [e for e in httpx.get(f"{srv.url}/v1/status").json()["events"] if e["unit"] == "held"]
+    assert events[-1]["event"] == "mesh_served_held" and events[-1]["tier"] == "small"
+
+
+def test_a_request_without_max_tokens_and_a_mesh_cycle(gw):
+    srv, _ = gw
+    body = {"model": "assist", "messages": MESSAGES, "temperature": 0}
+    r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{srv.url}/v1/units", json=mesh("loop-a", ["loop-b"]).model_dump(), timeout=30)
+    assert r.status_code == 201, r.text
+    r = httpx.post(f"{srv.url}/v1/units", json=mesh("loop-b", ["small", "loop-a"]).model_dump(), timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "mesh_cycle", r.text
+    assert "loop-b -> loop-a -> loop-b" in r.json()["error"]["message"]
+    assert httpx.get(f"{srv.url}/v1/status", timeout=10).status_code == 200

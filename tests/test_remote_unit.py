@@ -237,3 +237,61 @@ def test_retrieved_memories_reach_the_endpoint(gateway):
     assert grounded["citations"] and "river festival" in grounded["citations"][0]["text"]
     # the endpoint counted the retrieved context in its prompt
     assert grounded["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 10
+
+
+def _hostile_endpoint():
+    """An endpoint that answers 200 and then breaks the protocol, one way per model name."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    bodies = {
+        "null-choice": ['{"choices": [null]}'],
+        "string-delta": ['{"choices": [{"index": 0, "delta": "oops"}]}'],
+        "not-json": ["{oops"],
+        "no-done": ['{"choices": [{"index": 0, "delta": {"content": "half"}}]}'],
+        "error-chunk": ['{"error": {"message": "draining", "code": "server_shutting_down"}}'],
+        "bad-usage": ['{"choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": "stop"}]}',
+                      '{"choices": [], "usage": {"prompt_tokens": "many", "completion_tokens": -3}}', "[DONE]"],
+    }
+
+    async def ready(request):
+        return JSONResponse({"ok": True})
+
+    async def chat(request):
+        model = (await request.json())["model"]
+
+        async def gen():
+            for b in bodies[model]:
+                yield f"data: {b}\n\n".encode()
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/ready", ready), Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+@pytest.mark.parametrize("model,status,code", [
+    ("null-choice", 502, "remote_bad_response"), ("string-delta", 502, "remote_bad_response"),
+    ("not-json", 502, "remote_bad_response"), ("no-done", 502, "remote_stream_broken"),
+    ("error-chunk", 502, "remote_stream_error"), ("bad-usage", 200, None)])
+def test_an_endpoint_that_breaks_the_protocol_is_a_typed_error(gateway, model, status, code):
+    srv, gw = gateway
+    hostile = start_server(_hostile_endpoint())
+    try:
+        spec = remote(f"hostile-{model}", hostile.url + "/v1", backend={"model": model}).model_dump()
+        assert httpx.post(srv.url + "/v1/units", json=spec, timeout=30).status_code == 201
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=30,
+                       json={"model": f"hostile-{model}", "messages": MESSAGES, "max_tokens": 4})
+        assert r.status_code == status, r.text
+        if status != 200:
+            assert r.json()["error"]["code"] == code
+        elif code is None:      # counts the endpoint got wrong fall back to what the gateway counted
+            assert r.json()["choices"][0]["message"]["content"] == "ok" and r.json()["usage"]["completion_tokens"] == 1
+        # streamed: the error is the stream's last event, typed; the breaker counted it
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=30, json={
+                "model": f"hostile-{model}", "messages": MESSAGES, "max_tokens": 4, "stream": True}) as s:
+            text = s.read().decode()
+        if code is not None:
+            assert f'"code":"{code}"' in text.replace(" ", "") or f'"code": "{code}"' in text
+            assert httpx.get(f"{srv.url}/v1/units/hostile-{model}").json()["errors"][code] >= 1
+    finally:
+        hostile.stop()

@@ -132,6 +132,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     if st.get("nodes"):
         print()
         print("Ray nodes: " + ", ".join(f"{n['node_id']} ({n['ip']})" for n in st["nodes"]))
+    if st.get("memory"):
+        m = st["memory"]
+        print()
+        print(f"memory: {m['reserved_mb']:.0f} of {m['capacity_mb']:.0f} MiB held by instances ("
+              + (", ".join(f"{u} {mb:.0f}" for u, mb in m["by_unit_mb"].items()) or "none") + ")")
     print()
     print(f"{'SLA':<16} {'ttft slo':>9} {'target':>7} {'attained':>9} {'in window':>9}  {'breaker':<9} {'trips':>5} "
           f"{'shed':>5}  fallback")

@@ -163,7 +163,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     units = cfg.units if cfg else []
     ray = args.ray or (cfg.ray_address if cfg is not None and cfg.cluster == "ray" else None)
     return up(units, _server_settings(args), data_dir=args.data_dir, host=args.host, port=args.port,
-              log_level=args.log_level, prefetch=not args.no_prefetch, ray=ray)
+              log_level=args.log_level, prefetch=not args.no_prefetch, ray=ray, memory_budget_mb=args.memory_budget_mb)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -202,6 +202,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     upp.add_argument("--data-dir", default=os.environ.get("SITS_DATA_DIR", ".sits"),
                      help="where the deployed units and sessions are kept (default: $SITS_DATA_DIR, else .sits)")
     upp.add_argument("--no-prefetch", action="store_true", help="turn trace-driven pre-warming off")
+    upp.add_argument("--memory-budget-mb", type=float, default=None,
+                     help="what this host's instances may hold together; a start that does not fit evicts idle "
+                          "instances of other units or waits (default: the memory available at start)")
     upp.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
                      help="place instances on a Ray cluster's nodes by their unit's resources: auto (the running "
                           "cluster; the default when given bare), an address, or local (a one-node Ray started "

@@ -22,6 +22,9 @@ import numpy as np
 from sits.engine.errors import InvalidRequestError, SitsError
 from sits.memory.ingest import ingest_dir
 from sits.memory.vectors import EmbedderUnavailableError, off_loop, open_memory_store
+from sits.engine.config import resolve_device
+from sits.runtime.host_fit import available_memory_bytes
+from sits.runtime.memory_ledger import MemoryLedger
 from sits.runtime.unit_spec import UnitSpec
 from sits.runtime.hints import RequestHints
 from sits.runtime.prefetch import Prefetcher
@@ -48,6 +51,10 @@ class UnitHost(Protocol):
     def observe_call(self, unit: str, hints: RequestHints) -> None: ...
 
     def launcher(self, spec: UnitSpec | None = None, footprint_bytes: int = 0): ...
+
+    async def reserve_memory(self, unit: "UnitBackend", inst) -> None: ...
+
+    def release_memory(self, inst) -> None: ...
 
     tenancy: "Tenancy | None"      # where usage is recorded (instance memory-time), when tenants are kept
 
@@ -80,9 +87,11 @@ class _UnitEmbedder:
 class Gateway:
     def __init__(self, data_dir: str | Path, *, tick_s: float = 1.0, zygote: bool = True,
                  prefetch: bool = True, prefetch_threshold: float = 0.85, tenant_store: str | None = None,
-                 ray: str | None = None, ray_placement_timeout_s: float = 60.0):
+                 ray: str | None = None, ray_placement_timeout_s: float = 60.0,
+                 memory_budget_mb: float | None = None):
         """``ray``: place instances on a Ray cluster (``auto``, an address, or ``local`` for a one-node
-        Ray started here) instead of forking them from this host's zygote."""
+        Ray started here) instead of forking them from this host's zygote. ``memory_budget_mb``: what
+        this host's instances may hold together (default: the memory available when the gateway starts)."""
         self.data_dir = Path(data_dir)
         # vector memory of the data directory (RAG units ingest into it; the HTTP layer serves it)
         self.memory = open_memory_store(self.data_dir)
@@ -96,6 +105,8 @@ class Gateway:
         self.ray_address = ray
         self.ray_placement_timeout_s = ray_placement_timeout_s
         self.cluster = None                     # RayCluster, with --ray
+        self.memory_budget_mb = memory_budget_mb
+        self.ledger: MemoryLedger | None = None     # this host's instances' memory (made at start)
         self.store = UnitStore(self.data_dir)
         self.units: dict[str, UnitBackend | RemoteUnit | MeshUnit] = {}
         self.tick_s = tick_s
@@ -141,6 +152,7 @@ class Gateway:
 
     # -- units ----------------------------------------------------------------------------------------
     async def deploy(self, spec: UnitSpec, *, persist: bool = True) -> UnitBackend | RemoteUnit | MeshUnit:
+        self._refuse_mesh_cycle(spec)
         old = self.units.get(spec.name)
         if spec.kind == "remote":
             backend = RemoteUnit(spec, self)
@@ -173,6 +185,24 @@ class Gateway:
         self.record(spec.name, "deployed", {"kind": spec.kind, "model": backend.root})
         return backend
 
+    def _refuse_mesh_cycle(self, spec: UnitSpec) -> None:
+        """A mesh that would reach itself through its tiers (directly or via other meshes) is refused."""
+        tiers = {n: list(u.spec.mesh.tiers) for n, u in self.units.items() if u.spec.mesh is not None}
+        tiers[spec.name] = list(spec.mesh.tiers) if spec.mesh is not None else []
+        path: list[str] = []
+
+        def reaches_self(name: str) -> bool:
+            for t in tiers.get(name, []):
+                path.append(t)
+                if t == spec.name or (t not in path[:-1] and reaches_self(t)):
+                    return True
+                path.pop()
+            return False
+
+        if reaches_self(spec.name):
+            raise InvalidRequestError(f"unit {spec.name} would be a tier of itself: {' -> '.join([spec.name] + path)}",
+                                      param="mesh.tiers", code="mesh_cycle")
+
     async def _ingest(self, backend: UnitBackend) -> None:
         mem = backend.spec.memory
         if mem is None or not mem.ingest:
@@ -194,6 +224,8 @@ class Gateway:
         if backend is None:
             return False
         await backend.close(SitsError(f"unit {name} was deleted", code="unit_deleted"))
+        if self.cluster is not None and backend.spec.kind == "local":
+            self.cluster.forget(asdict(backend.spec.engine_config()))
         self.record(name, "deleted", {})
         return True
 
@@ -218,9 +250,58 @@ class Gateway:
             backend.tick(time.monotonic())
 
     # -- lifecycle ------------------------------------------------------------------------------------
+    # -- memory ---------------------------------------------------------------------------------------
+    async def reserve_memory(self, unit: UnitBackend, inst) -> None:
+        """Before an instance of ``unit`` starts on this host: its memory, or idle instances of other
+        units evicted for it, or a wait until some is given back (see ``memory_ledger``)."""
+        ledger = self.ledger
+        if ledger is None or self.cluster is not None or resolve_device(unit.spec.resources.device).type != "cpu":
+            return
+        need = ledger.need(unit.name, unit.weight_bytes, unit.kv_bytes)
+        if need > ledger.capacity:
+            raise SitsError(f"an instance of {unit.name} needs {need / 2**20:.0f} MiB and this host's instances may "
+                            f"hold {ledger.capacity / 2**20:.0f} MiB in all", code="insufficient_memory")
+        waiting = False
+        while not ledger.reserve(inst.id, unit.name, unit.weight_bytes, unit.kv_bytes):
+            if inst.state.value == "DRAINING":       # not wanted any more
+                return
+            self._evict_idle(unit.name, need - (ledger.capacity - ledger.reserved))
+            if not waiting:
+                waiting = True
+                self.record(unit.name, "instance_waiting_for_memory", {
+                    "instance": inst.id, "need_mb": round(need / 2**20, 1), **ledger.view()})
+            await ledger.freed(1.0)
+
+    def release_memory(self, inst) -> None:
+        if self.ledger is not None:
+            self.ledger.release(inst.id)
+
+    def _evict_idle(self, for_unit: str, shortfall: int) -> None:
+        """Scale down idle units (READY instances, nothing in flight or waiting), least recently used
+        first, until what they hold covers ``shortfall``."""
+        by_unit = self.ledger.by_unit()
+        idle = [u for u in self.units.values() if isinstance(u, UnitBackend) and u.name != for_unit
+                and u.dispatcher.inflight == 0 and u.dispatcher.waiting == 0 and u.pool.ready()
+                and not u.pool.starting() and u.name in by_unit]
+        idle.sort(key=lambda u: u.dispatcher.idle_since or 0.0)
+        freed = 0
+        for u in idle:
+            if freed >= shortfall:
+                break
+            n = len(u.pool.live())
+            freed += by_unit[u.name] // max(n, 1)
+            reason = f"evicted: memory for {for_unit}"
+            u.pool.scale_to(n - 1, reason)
+            u.autoscaler.state.calm_since = time.monotonic()
+            self.record(u.name, "scale", {"from": n, "to": n - 1, "reason": reason, "direction": "down"})
+            self.record(u.name, "evicted", {"for": for_unit, "freed_mb": round(by_unit[u.name] / max(n, 1) / 2**20, 1)})
+
     async def start(self, config_units: list[UnitSpec]) -> None:
         """Start the zygote (or join the Ray cluster); deploy the persisted units, then the config's
         (which win on a name clash); tick."""
+        budget = self.memory_budget_mb * 2**20 if self.memory_budget_mb is not None else available_memory_bytes()
+        if budget is not None:
+            self.ledger = MemoryLedger(int(budget))
         if self.ray_address is not None:
             from sits.runtime.ray_cluster import RayCluster
             self.cluster = RayCluster(None if self.ray_address == "local" else self.ray_address,
@@ -251,10 +332,7 @@ class Gateway:
             await asyncio.sleep(self.tick_s)
             now = time.monotonic()
             if self.cluster is not None:
-                try:
-                    await self.cluster.refresh()
-                except Exception:  # noqa: BLE001 - Ray unreachable for a moment: next tick tries again
-                    log.exception("refreshing the Ray cluster's nodes failed")
+                self.cluster.refresh_soon()       # nodes that joined get a zygote, in the background
             for backend in list(self.units.values()):
                 try:
                     if isinstance(backend, UnitBackend):
@@ -292,6 +370,8 @@ class Gateway:
 
     def status(self) -> dict:
         out = {"units": [b.view() for b in self.units.values()], "events": list(self.events)[-50:]}
+        if self.ledger is not None:
+            out["memory"] = self.ledger.view()
         if self.cluster is not None:
             out["nodes"] = self.cluster.view()
         return out

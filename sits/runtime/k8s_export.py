@@ -86,7 +86,9 @@ def export_unit(spec: UnitSpec, fmt: str, opts: ExportOptions | None = None) -> 
 def _container(spec: UnitSpec, model_path: str, opts: ExportOptions, notes: list[str], name: str) -> dict:
     r = spec.resources
     args = ["serve", "--model", model_path, "--host", "0.0.0.0", "--port", str(PORT),
-            "--served-model-name", spec.name, "--policy", r.policy, "--dtype", r.dtype, "--device", r.device,
+            "--served-model-name", spec.name, "--policy", r.policy, "--dtype", r.dtype,
+            # the pod sees its one GPU as cuda:0, whatever cuda:N the unit names on its own host
+            "--device", "cuda" if r.device.startswith("cuda") else r.device,
             "--kv-cache-mb", str(r.kv_cache_mb)]
     if r.threads is not None:
         args += ["--threads", str(r.threads)]
@@ -103,7 +105,12 @@ def _container(spec: UnitSpec, model_path: str, opts: ExportOptions, notes: list
     if r.lora and not spec.adapters:
         args += ["--enable-lora", "--max-loras", str(r.max_loras), "--max-lora-rank", str(r.max_lora_rank)]
     cpus = r.cpu_quota or r.threads or 1
-    memory_mib = RUNTIME_OVERHEAD_MIB + math.ceil(_memory_bytes(spec) / MIB)
+    footprint = _memory_bytes(spec)
+    if footprint is None:
+        footprint = r.kv_cache_mb * MIB
+        notes.append(f"the model {spec.model} is not on this host: the memory request counts the KV pool and the "
+                     "runtime only; add the weights' size to it")
+    memory_mib = RUNTIME_OVERHEAD_MIB + math.ceil(footprint / MIB)
     resources = {"requests": {"cpu": _cpu(cpus), "memory": f"{memory_mib}Mi"},
                  "limits": {"cpu": _cpu(cpus), "memory": f"{memory_mib}Mi"}}
     if r.device.startswith("cuda"):
@@ -119,14 +126,14 @@ def _cpu(cpus: float) -> str:
     return str(int(cpus)) if float(cpus).is_integer() else f"{round(cpus * 1000)}m"
 
 
-def _memory_bytes(spec: UnitSpec) -> int:
-    """Weights plus the KV pool, as the gateway's host check counts them (0 when the model is not here)."""
+def _memory_bytes(spec: UnitSpec) -> int | None:
+    """Weights plus the KV pool, as the gateway's host check counts them (None: the model is not here)."""
     from sits.engine.config import ModelConfig
     from sits.runtime.host_fit import kv_pool_bytes, weights_bytes
     try:
         return weights_bytes(spec.model) + kv_pool_bytes(spec, ModelConfig.from_dir(spec.model))
-    except Exception:  # noqa: BLE001 - exporting for a model that lives elsewhere: the KV pool alone
-        return spec.resources.kv_cache_mb * MIB
+    except Exception:  # noqa: BLE001 - exporting for a model that lives elsewhere
+        return None
 
 
 def _scale_annotations(spec: UnitSpec, opts: ExportOptions) -> dict[str, str]:

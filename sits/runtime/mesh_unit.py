@@ -84,6 +84,7 @@ class MeshUnit(MessageUnit):
         if spec.mesh is None:
             raise ValueError(f"unit {spec.name} is not a mesh")
         super().__init__(spec, host, "mesh:" + ",".join(spec.mesh.tiers))
+        self.sampling_defaults = {"max_tokens": spec.mesh.max_tokens} | self.sampling_defaults
         self.served_by: collections.Counter = collections.Counter()
         self.escalations: collections.Counter = collections.Counter()     # by reason
         self.skips: collections.Counter = collections.Counter()           # (tier, reason)
@@ -121,7 +122,8 @@ class MeshUnit(MessageUnit):
         return self.guarded(seq, hints, self._route(seq, hints, budget_ms, cap))
 
     def plan(self, seq: MeshRequest, budget_ms: float, cap: float | None) -> tuple[list, list[tuple[str, str]]]:
-        """The tiers to try in order, and the ones left out with why."""
+        """The tiers to try in order, and the ones left out or put last with why: those predicted to
+        miss the budget come after the ones that fit (the fastest first), as fallbacks for errors."""
         eligible, skipped = [], []
         for name in self.spec.mesh.tiers:
             tier = self.host.unit(name)
@@ -134,15 +136,12 @@ class MeshUnit(MessageUnit):
             else:
                 eligible.append(tier)
         fits = [t for t in eligible if t.predicted_ttft_ms() <= budget_ms]
-        for t in eligible:
-            if t not in fits:
-                skipped.append((t.name, "predicted_ttft_over_budget"))
-        # nothing predicted within the budget: the one predicted fastest still tries
-        order = fits or sorted(eligible, key=lambda t: t.predicted_ttft_ms())[:1]
-        if seq.priority > 0 and len(order) > 1:     # urgent: the fastest first, the others after it
-            fastest = min(order, key=lambda t: t.predicted_ttft_ms())
-            order = [fastest] + [t for t in order if t is not fastest]
-        return order, skipped
+        late = sorted((t for t in eligible if t not in fits), key=lambda t: t.predicted_ttft_ms())
+        skipped += [(t.name, "predicted_ttft_over_budget") for t in late]
+        if seq.priority > 0 and len(fits) > 1:     # urgent: the fastest first, the others after it
+            fastest = min(fits, key=lambda t: t.predicted_ttft_ms())
+            fits = [fastest] + [t for t in fits if t is not fastest]
+        return fits + late, skipped
 
     @staticmethod
     def _cost(tier, seq: MeshRequest) -> float:
@@ -172,11 +171,18 @@ class MeshUnit(MessageUnit):
         self.host.record(self.name, "mesh_route", {"request": seq.request_id, "order": [t.name for t in order],
                                                    "skipped": dict(skipped), "ttft_budget_ms": budget_ms})
         deadline = seq.arrival_time + budget_ms / 1e3
+        in_budget = {t.name for t in order} - {n for n, _ in skipped}
         esc = self.spec.mesh.escalate
-        held: _Attempt | None = None       # the best answer given up on, served if no later tier can do better
+        held: _Attempt | None = None       # the last whole answer given up on: served if no later tier answers
         path: list[str] = []
         for i, tier in enumerate(order):
             last = i == len(order) - 1
+            # a tier predicted to fit gets the budget's rest as its deadline; the others (fallbacks, or
+            # the last tier) run to their end
+            timed = esc.deadline and not last and tier.name in in_budget
+            if timed and time.monotonic() >= deadline:
+                self.skips[(tier.name, "no_time_left")] += 1
+                continue
             attempt = _Attempt(tier.name)
             path.append(tier.name)
             t0 = time.monotonic()
@@ -187,7 +193,7 @@ class MeshUnit(MessageUnit):
                 events = tier.stream(req, hints)
                 self._current[seq.request_id] = (tier, req.request_id)
                 try:
-                    async for ev in self._watched(events, deadline if esc.deadline and not last else None):
+                    async for ev in self._watched(events, deadline if timed else None):
                         ev = _as_mesh_event(ev, seq)
                         if checks:
                             attempt.events.append(ev)
@@ -209,20 +215,21 @@ class MeshUnit(MessageUnit):
                 if e.reason != "deadline":      # a whole answer that failed a check: better than none
                     held = attempt
             except SitsError as e:
-                retryable = esc.errors and (e.http_status >= 500 or e.http_status == 429) \
-                    and e.code not in NOT_OUTCOMES
-                if delivered or last or not retryable:
+                retryable = (esc.errors and (e.http_status >= 500 or e.http_status == 429)
+                             and e.code not in NOT_OUTCOMES) or e.code == "context_length_exceeded"
+                if delivered or not retryable or (last and held is None):
                     self._decided(seq, tier, t0, "failed", e.code, path)
                     raise
                 attempt.reason = f"error:{e.code}"
             self.escalations[attempt.reason.split(":")[0]] += 1
             self._decided(seq, tier, t0, "escalated", attempt.reason, path)
-        if held is not None:         # every later tier failed too: the best answer there is
+        if held is not None:         # every later tier failed: the answer held last
             for ev in held.events:
                 yield ev
             self._decided(seq, self.host.unit(held.tier), time.monotonic(), "served_held", held.reason, path)
             return
-        raise MeshUnavailableError(f"mesh {self.name}: every tier failed ({' -> '.join(path)})", param="model")
+        raise MeshUnavailableError(f"mesh {self.name}: every tier failed or ran out of time "
+                                   f"({' -> '.join(path) or 'none tried'})", param="model")
 
     def _checks(self, tier, seq: MeshRequest) -> list[str]:
         """The output checks this tier's answer must pass before it reaches the client."""

@@ -76,7 +76,9 @@ class OpenAIEndpoint:
             headers["authorization"] = f"Bearer {api_key}"
         self._client = httpx.AsyncClient(
             base_url=self.base_url, headers=headers,
-            timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s, pool=connect_timeout_s),
+            # pool=None: past max_connections a request waits here for a connection (the gateway's own
+            # load), rather than failing as if the endpoint were slow
+            timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s, pool=None),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
 
     async def stream(self, path: str, body: dict, headers: dict[str, str] | None = None) -> AsyncIterator[dict]:
@@ -102,9 +104,9 @@ class OpenAIEndpoint:
                     if not isinstance(chunk, dict):
                         raise RemoteError(f"{where} sent a chunk that is not an object", code="remote_bad_response")
                     if isinstance(chunk.get("error"), dict):      # the endpoint ended the stream with an error
-                        err = chunk["error"]
-                        raise RemoteError(f"{where}: {err.get('message') or 'error in the stream'}",
-                                          code=str(err.get("code") or "remote_error"))
+                        err = chunk["error"]        # its code is the endpoint's: namespaced, never one of ours
+                        raise RemoteError(f"{where}: {err.get('message') or 'error in the stream'} "
+                                          f"(its code: {err.get('code')})", code="remote_stream_error")
                     yield chunk
                 raise RemoteError(f"{where} ended the stream before data: [DONE]", code="remote_stream_broken")
         except httpx.ConnectError as e:

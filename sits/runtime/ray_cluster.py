@@ -35,6 +35,8 @@ log = logging.getLogger("sits.runtime")
 
 NAMESPACE = "sits"
 AGENT_PREFIX = "sits-node-"
+FORK_TIMEOUT_S = 60.0       # an agent that does not fork by then is treated as a failed start
+AGENT_CALL_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +49,19 @@ class Placement:
 
     @classmethod
     def of(cls, spec, footprint_bytes: int = 0) -> "Placement":
+        """``device: cuda`` (or ``cuda:N``) asks for a GPU; ``auto`` and ``cpu`` run on the node's CPUs."""
         r = spec.resources
         return cls(num_cpus=float(r.cpu_quota or r.threads or 1), num_gpus=1.0 if r.device.startswith("cuda") else 0.0,
                    memory=int(footprint_bytes))
+
+    def engine_config(self, cfg: dict) -> dict:
+        """The instance's config on its node: as many threads as CPUs reserved (unless the unit set
+        them), and the device its reservation gives it (the one GPU it sees is ``cuda``)."""
+        out = dict(cfg)
+        if out.get("threads") is None:
+            out["threads"] = max(1, int(self.num_cpus))
+        out["device"] = "cuda" if self.num_gpus else "cpu"
+        return out
 
     def bundle(self) -> dict:
         out = {"CPU": self.num_cpus}
@@ -60,29 +72,42 @@ class Placement:
         return out
 
 
-@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=64)
+@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=10_000)
 class NodeAgent:
-    """One node's zygote, and the instances it forked."""
+    """One node's zygote, and the instances it forked (each waited for on the event loop, so live
+    instances hold no threads or call slots beyond an awaiting coroutine)."""
 
     async def start(self) -> dict:
         from sits.runtime.zygote import DIE_WITH_PARENT, ZygoteClient
         self.ip = ray.util.get_node_ip_address()
         self.node_id = ray.get_runtime_context().get_node_id()
+        node = next(n for n in ray.nodes() if n["NodeID"] == self.node_id)
+        self.gpus = list(range(int(node.get("Resources", {}).get("GPU", 0))))
+        self.gpus_of: dict[int, list[int]] = {}      # pid -> the GPU indexes it was given
         self.zygote = await ZygoteClient.start(env={**os.environ, DIE_WITH_PARENT: "1"})
-        return {"node_id": self.node_id, "ip": self.ip, "pid": os.getpid(), **self.zygote.info}
+        return {"node_id": self.node_id, "ip": self.ip, "pid": os.getpid(), "gpus": len(self.gpus),
+                **self.zygote.info}
 
     def preload(self, cfg: dict) -> None:
         self.zygote.preload(cfg)
 
-    async def fork(self, cfg: dict, token: str) -> dict:
-        child = await self.zygote.fork(f"tcp://{self.ip}:0", cfg, token=token)
-        return {"pid": child.pid, "address": child.address, "node_id": self.node_id, "ip": self.ip}
+    async def fork(self, cfg: dict, token: str, num_gpus: float = 0.0) -> dict:
+        """Fork an instance; with ``num_gpus``, on GPUs of this node no other instance of it holds (its
+        placement group reserved that many here, so there are), and no GPU at all without."""
+        taken = {g for gs in self.gpus_of.values() for g in gs}
+        mine = [g for g in self.gpus if g not in taken][:int(-(-num_gpus // 1))] if num_gpus else []
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, mine))}
+        child = await self.zygote.fork(f"tcp://{self.ip}:0", cfg, token=token, env=env)
+        if mine:
+            self.gpus_of[child.pid] = mine
+        return {"pid": child.pid, "address": child.address, "node_id": self.node_id, "ip": self.ip, "gpus": mine}
 
     async def wait(self, pid: int) -> int | None:
         child = self.zygote.child(pid)
-        if child is None:
-            return None
-        return await asyncio.to_thread(child.wait)
+        try:
+            return None if child is None else await child.wait_async()
+        finally:
+            self.gpus_of.pop(pid, None)
 
     def kill(self, pid: int) -> None:
         child = self.zygote.child(pid)
@@ -190,6 +215,7 @@ class RayCluster:
         self.nodes: dict[str, dict] = {}          # node id -> what its agent reported
         self._preloads: list[dict] = []
         self._refreshed = 0.0
+        self._refreshing: asyncio.Task | None = None
 
     async def start(self) -> None:
         """Connect (``auto``, an address, or None: a local one-node Ray) and start an agent on every node."""
@@ -199,6 +225,17 @@ class RayCluster:
                          log_to_driver=False, configure_logging=False)
         await asyncio.to_thread(init)
         await self.refresh(force=True)
+
+    def refresh_soon(self) -> None:
+        """``refresh`` in the background (a node's zygote takes seconds to start: nothing waits for it)."""
+        if (self._refreshing is None or self._refreshing.done()) and time.monotonic() - self._refreshed >= 5.0:
+            self._refreshing = asyncio.get_running_loop().create_task(self._refresh_logged(), name="ray-refresh")
+
+    async def _refresh_logged(self) -> None:
+        try:
+            await self.refresh()
+        except Exception:  # noqa: BLE001 - Ray unreachable for a moment: the next tick tries again
+            log.exception("refreshing the Ray cluster's nodes failed")
 
     async def refresh(self, force: bool = False) -> None:
         """Start agents on nodes that joined; forget nodes that left (at most every few seconds)."""
@@ -232,6 +269,11 @@ class RayCluster:
         for agent in self.agents.values():
             agent.preload.remote(cfg)
 
+    def forget(self, cfg: dict) -> None:
+        """A unit undeployed: nodes that join later do not preload it."""
+        if cfg in self._preloads:
+            self._preloads.remove(cfg)
+
     def launcher(self, placement: Placement):
         """An instance launcher (``InstanceBackend.spawn``'s) that places by ``placement``."""
         async def launch(sock_path: str, cfg: dict) -> RayInstanceProcess:
@@ -245,7 +287,8 @@ class RayCluster:
                                        f"within {self.placement_timeout_s:g} s") from None
                 node_id = placement_group_table(group)["bundles_to_node_id"][0]
                 agent = self.agents.get(node_id) or await _agent_on(node_id)
-                info = await agent.fork.remote(cfg, token)
+                info = await asyncio.wait_for(agent.fork.remote(placement.engine_config(cfg), token,
+                                                                placement.num_gpus), FORK_TIMEOUT_S)
             except BaseException:
                 _remove(group)
                 raise
@@ -257,7 +300,10 @@ class RayCluster:
         return [{"node_id": n[:12], "ip": i["ip"], "zygote_pid": i["pid"]} for n, i in self.nodes.items()]
 
     async def close(self) -> None:
-        await asyncio.gather(*(a.shutdown.remote() for a in self.agents.values()), return_exceptions=True)
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+        await asyncio.gather(*(asyncio.wait_for(a.shutdown.remote(), AGENT_CALL_TIMEOUT_S)
+                               for a in self.agents.values()), return_exceptions=True)
         for agent in self.agents.values():
             try:
                 ray.kill(agent)

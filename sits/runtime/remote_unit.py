@@ -29,7 +29,7 @@ from sits.engine.tool_format import render_call
 from sits.observe import tracing
 from sits.runtime.hints import RequestHints
 from sits.runtime.message_unit import MessagePrompt, MessageUnit, estimate_tokens
-from sits.runtime.openai_endpoint import OpenAIEndpoint
+from sits.runtime.openai_endpoint import OpenAIEndpoint, RemoteError
 from sits.runtime.unit_spec import UnitSpec
 
 if TYPE_CHECKING:
@@ -173,22 +173,34 @@ class RemoteUnit(MessageUnit):
         error: str | None = None
         try:
             async for chunk in self.endpoint.stream(seq.path, seq.body, headers):
-                if isinstance(chunk.get("usage"), dict):
-                    usage = chunk["usage"]
-                for choice in chunk.get("choices") or []:
-                    delta = choice.get("delta") or {}
-                    text = delta.get("content") if "delta" in choice else choice.get("text")
-                    for tc in delta.get("tool_calls") or []:
-                        _add_call_delta(calls, tc)
-                    if choice.get("finish_reason"):
-                        finish = choice["finish_reason"]
-                    if text:
-                        now = time.monotonic()
-                        first = first or now
-                        yield TokenEvent(rid, REMOTE_TOKEN, text, index, arrival_time=seq.arrival_time,
-                                         first_scheduled_time=sent_at, first_token_time=first, time=now,
-                                         num_prompt_tokens=seq.prompt_len, num_output_tokens=index + 1)
-                        index += 1
+                try:
+                    if isinstance(chunk.get("usage"), dict):
+                        usage = chunk["usage"]
+                    for choice in chunk.get("choices") or []:
+                        delta = choice.get("delta") or {}
+                        text = delta.get("content") if "delta" in choice else choice.get("text")
+                        for tc in delta.get("tool_calls") or []:
+                            if not calls and first is None:      # the answer has begun: its first token is here
+                                first = time.monotonic()
+                                yield TokenEvent(rid, REMOTE_TOKEN, "", index, arrival_time=seq.arrival_time,
+                                                 first_scheduled_time=sent_at, first_token_time=first, time=first,
+                                                 num_prompt_tokens=seq.prompt_len, num_output_tokens=index + 1)
+                                index += 1
+                            _add_call_delta(calls, tc)
+                        if choice.get("finish_reason"):
+                            finish = str(choice["finish_reason"])
+                        if text:
+                            if not isinstance(text, str):
+                                raise TypeError(f"content is a {type(text).__name__}")
+                            now = time.monotonic()
+                            first = first or now
+                            yield TokenEvent(rid, REMOTE_TOKEN, text, index, arrival_time=seq.arrival_time,
+                                             first_scheduled_time=sent_at, first_token_time=first, time=now,
+                                             num_prompt_tokens=seq.prompt_len, num_output_tokens=index + 1)
+                            index += 1
+                except (AttributeError, TypeError, ValueError, KeyError) as e:
+                    raise RemoteError(f"unit {self.name}'s endpoint sent a chunk that is not a completion chunk "
+                                      f"({type(e).__name__}: {e})", code="remote_bad_response") from None
         except SitsError as e:
             error = e.code
             raise
@@ -207,9 +219,9 @@ class RemoteUnit(MessageUnit):
         details = usage.get("prompt_tokens_details") or {}
         yield TokenEvent(rid, None, "", index, finished=True,
                          finish_reason="stop" if finish in (None, "tool_calls", "function_call") else finish,
-                         num_prompt_tokens=int(usage.get("prompt_tokens") or seq.prompt_len),
-                         num_output_tokens=int(usage.get("completion_tokens") or index),
-                         num_cached_tokens=int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0,
+                         num_prompt_tokens=_count(usage.get("prompt_tokens"), seq.prompt_len),
+                         num_output_tokens=_count(usage.get("completion_tokens"), index),
+                         num_cached_tokens=_count(details.get("cached_tokens"), 0) if isinstance(details, dict) else 0,
                          arrival_time=seq.arrival_time, first_scheduled_time=sent_at,
                          first_token_time=first or now, time=now)
 
@@ -234,6 +246,11 @@ class RemoteUnit(MessageUnit):
         b = self.spec.backend
         return super().view() | {"model": self.remote_model, "backend": {
             "openai": b.openai, "model": self.remote_model, "api_key_env": b.api_key_env}}
+
+
+def _count(value, default: int) -> int:
+    """A usage count as the endpoint reported it, if it is a sane one."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 40 else default
 
 
 def _add_call_delta(calls: dict[int, dict], tc: dict) -> None:

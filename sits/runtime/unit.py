@@ -92,7 +92,11 @@ class UnitBackend(FallbackGuard):
                              launcher=lambda: host.launcher(self.spec, self.footprint_bytes),
                              tokenizer=self.tokenizer, limits=self.limits,
                              footprint_bytes=self.footprint_bytes,
-                             on_stopped=lambda inst: self._account_memory(inst, final=True))
+                             on_stopped=lambda inst: self._account_memory(inst, final=True),
+                             reserve_memory=lambda inst: host.reserve_memory(self, inst),
+                             release_memory=lambda inst: host.release_memory(inst))
+        self.weight_bytes = weight_bytes
+        self.kv_bytes = self.footprint_bytes - weight_bytes
         self.autoscaler = Autoscaler(spec.scale, spec.slo)
         self.window = MetricsWindow(spec.scale.window_s)
         self.cpu = CpuMeter()
@@ -317,6 +321,8 @@ class UnitBackend(FallbackGuard):
             "starts": self.pool.starts, "crashes": self.pool.crashes, "start_failure": self.pool.failure_view(),
             "routed": dict(self.dispatcher.routed),
             "cold_start": self.pool.last_cold_start(),
+            "memory_mb": None if getattr(self.host, "ledger", None) is None else
+            round(self.host.ledger.by_unit().get(self.name, 0) / 2**20, 1),
             "memory": None if self.spec.memory is None else {**self.spec.memory.model_dump(), "ingested": self.ingested},
             "sla": self.breaker.view() | {"fallback": self.spec.fallback, "fallbacks": self.fallbacks},
             "faults": self.faults.view() if self.faults.spec.inject else None,

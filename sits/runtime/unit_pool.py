@@ -18,7 +18,7 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from sits.engine.errors import SitsError
@@ -96,7 +96,9 @@ class UnitPool:
     def __init__(self, spec: UnitSpec, *, on_event: Callable[[str, dict], None] | None = None,
                  launcher: Callable[[], object | None] | None = None, tokenizer: Tokenizer | None = None,
                  limits: EngineLimits | None = None, footprint_bytes: int = 0,
-                 on_stopped: Callable[[Instance], None] | None = None):
+                 on_stopped: Callable[[Instance], None] | None = None,
+                 reserve_memory: Callable[[Instance], Awaitable[None]] | None = None,
+                 release_memory: Callable[[Instance], None] | None = None):
         """``launcher()`` returns the current instance launcher (the zygote's fork) or None (fresh process);
         ``tokenizer``: the unit's, shared by its instances' front-end sides (not reloaded per start);
         ``limits``: what the unit validates requests against: an instance reporting others is not used."""
@@ -105,6 +107,9 @@ class UnitPool:
         self.limits = limits
         self.footprint_bytes = footprint_bytes      # weights + KV pool of one instance (memory accounting)
         self._on_stopped = on_stopped or (lambda inst: None)
+        # a start waits for its memory first (the gateway's ledger; it may evict idle instances of other units)
+        self._reserve_memory = reserve_memory
+        self._release_memory = release_memory or (lambda inst: None)
         self._launcher = launcher or (lambda: None)
         self.instances: list[Instance] = []
         self.desired = 0
@@ -123,6 +128,7 @@ class UnitPool:
     def _stopped(self, inst: Instance, error: str | None = None) -> None:
         if inst.state is not InstanceState.STOPPED:
             self._on_stopped(inst)
+            self._release_memory(inst)
         inst.state = InstanceState.STOPPED
         if error is not None:
             inst.error = error
@@ -215,6 +221,20 @@ class UnitPool:
         return inst
 
     async def _run_start(self, inst: Instance, cfg) -> None:
+        waited_from = time.monotonic()
+        if self._reserve_memory is not None:
+            try:
+                await self._reserve_memory(inst)
+            except asyncio.CancelledError:      # scaled down (or shut down) while it waited
+                self._stopped(inst)
+                raise
+            except SitsError as e:               # it can never fit: a failed start, retried with backoff
+                self._start_failed(inst, e.message)
+                return
+            if inst.state is InstanceState.DRAINING:       # scaled down while it waited for memory
+                self._stopped(inst)
+                self._notify()
+                return
         t0 = time.monotonic()
         marks: dict[str, float] = {}
 
@@ -241,17 +261,7 @@ class UnitPool:
                 raise SitsError(f"the instance's limits {backend.limits} differ from the unit's {self.limits}, "
                                 "which its requests are validated against", code="limits_mismatch")
         except Exception as e:  # noqa: BLE001 - a failed start is reported and retried by reconcile
-            self._stopped(inst, getattr(e, "message", None) or f"{type(e).__name__}: {e}")
-            self.start_failures += 1
-            self.start_error = inst.error
-            wait = min(self.spec.scale.start_backoff_s * 2 ** (self.start_failures - 1),
-                       self.spec.scale.start_backoff_max_s)
-            self.next_start_at = time.monotonic() + wait
-            log.error("unit %s: instance %s failed to start (%d in a row; next try in %.1f s): %s",
-                      self.spec.name, inst.id, self.start_failures, wait, inst.error)
-            self._on_event("instance_failed", {"instance": inst.id, "error": inst.error,
-                                               "failures_in_a_row": self.start_failures, "retry_in_s": wait})
-            self._notify()
+            self._start_failed(inst, getattr(e, "message", None) or f"{type(e).__name__}: {e}")
             return
         self.start_failures = 0
         self.start_error = None
@@ -263,6 +273,8 @@ class UnitPool:
         inst.backend = backend
         # fork/spawn: request -> the new process answering (interpreter start and imports included)
         phases = {how: round((marks.get("loading", t0) - t0) * 1e3, 2)}
+        if t0 - waited_from > 0.001:         # waited for memory (idle instances of other units evicted)
+            phases = {"memory_wait": round((t0 - waited_from) * 1e3, 2), **phases}
         phases.update(backend.cold_start.get("phases_ms", {}))
         inst.report = {"phases_ms": phases, "total_ms": round((time.monotonic() - t0) * 1e3, 2)}
         self.last_report = inst.report
@@ -273,6 +285,20 @@ class UnitPool:
         log.info("unit %s: instance %s READY in %.0f ms %s", self.spec.name, inst.id, inst.report["total_ms"],
                  phases)
         self._on_event("instance_ready", {"instance": inst.id, "cold_start": inst.report})
+        self._notify()
+
+    def _start_failed(self, inst: Instance, error: str) -> None:
+        """Report a failed start; the next one waits out a backoff that doubles per failure in a row."""
+        self._stopped(inst, error)
+        self.start_failures += 1
+        self.start_error = inst.error
+        wait = min(self.spec.scale.start_backoff_s * 2 ** (self.start_failures - 1),
+                   self.spec.scale.start_backoff_max_s)
+        self.next_start_at = time.monotonic() + wait
+        log.error("unit %s: instance %s failed to start (%d in a row; next try in %.1f s): %s",
+                  self.spec.name, inst.id, self.start_failures, wait, inst.error)
+        self._on_event("instance_failed", {"instance": inst.id, "error": inst.error,
+                                           "failures_in_a_row": self.start_failures, "retry_in_s": wait})
         self._notify()
 
     def _drain(self, inst: Instance, reason: str) -> None:

@@ -158,6 +158,7 @@ class MeshSpec(_Strict):
                                                             "X-SITS-TTFT-Budget-Ms")
     cost_cap: float | None = Field(None, gt=0, description="the most a request may cost on a tier (the tier's "
                                                            "pricing); X-SITS-Cost-Cap overrides")
+    max_tokens: int = Field(1024, ge=1, description="new tokens for a request that asks for no limit")
     escalate: MeshEscalationSpec = Field(default_factory=MeshEscalationSpec)
 
     @field_validator("tiers")

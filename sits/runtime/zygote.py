@@ -137,6 +137,7 @@ def serve_zygote(control_path: str) -> int:
                 elif msg[0] == "fork":
                     _, sock_path, cfg, *opts = msg
                     token = opts[0].get("token") if opts else None
+                    child_env = (opts[0].get("env") or {}) if opts else {}
                     pre = _preloaded(cfg)
                     try:
                         inst_listener = listen_on(sock_path)
@@ -146,6 +147,7 @@ def serve_zygote(control_path: str) -> int:
                         send_blocking(conn, ("fork_failed", str(e)))
                         continue
                     if pid == 0:
+                        os.environ.update(child_env)
                         _child(address, cfg, [conn, listener], pre, inst_listener, token)
                     inst_listener.close()
                     children.add(pid)
@@ -173,10 +175,26 @@ class ForkedProcess:
         self.address = address
         self.returncode: int | None = None
         self._exited = threading.Event()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._lock = threading.Lock()
 
     def _set_exit(self, code: int) -> None:
-        self.returncode = code
-        self._exited.set()
+        with self._lock:
+            self.returncode = code
+            self._exited.set()
+            waiters, self._waiters = self._waiters, []
+        for loop, fut in waiters:
+            loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(code))
+
+    async def wait_async(self) -> int:
+        """Its exit code, awaited on the event loop (no thread held per child)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._lock:
+            if self.returncode is not None:
+                return self.returncode
+            self._waiters.append((loop, fut))
+        return await fut
 
     def poll(self) -> int | None:
         return self.returncode
@@ -246,13 +264,15 @@ class ZygoteClient:
         if self.alive:
             self._writer.write(encode(("preload", cfg)))
 
-    async def fork(self, sock_path: str, cfg: dict, *, token: str | None = None) -> ForkedProcess:
+    async def fork(self, sock_path: str, cfg: dict, *, token: str | None = None,
+                   env: dict[str, str] | None = None) -> ForkedProcess:
         """An instance forked to listen at ``sock_path`` (or ``tcp://HOST:0``: a port the zygote picks,
-        reachable by a peer that sends ``token`` first)."""
+        reachable by a peer that sends ``token`` first); ``env``: set in the child before anything runs
+        (e.g. ``CUDA_VISIBLE_DEVICES``, the GPUs its placement reserved)."""
         if not self.alive:
             raise RuntimeError("the zygote is gone")
         async with self._lock:           # replies come back in request order
-            self._writer.write(encode(("fork", sock_path, cfg, {"token": token})))
+            self._writer.write(encode(("fork", sock_path, cfg, {"token": token, "env": env or {}})))
             reply = await self._pending.get()
         if isinstance(reply, BaseException):
             raise reply

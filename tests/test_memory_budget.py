@@ -1,0 +1,79 @@
+"""Memory as a resource units share (issue 18, the part a CPU host can test): with a budget that
+holds one instance of either unit but not both, a start evicts the other unit's idle instance, waits
+while that unit is busy (its stream is never cut), and a unit that can never fit is a typed 503."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import httpx
+
+from conftest import start_server
+from sits.api.context import ServerSettings
+from sits.api.gateway_server import build_gateway_app
+from sits.api.server import DrainingServer
+from sits.runtime.gateway import Gateway
+from sits.runtime.unit_spec import UnitSpec
+from test_gateway import unit, wait_for
+
+MIB = 2**20
+
+
+def _events(srv, unit_name: str) -> list[dict]:
+    return [e for e in httpx.get(f"{srv.url}/v1/status").json()["events"] if e["unit"] == unit_name]
+
+
+def _complete(srv, model: str, max_tokens: int = 4) -> httpx.Response:
+    return httpx.post(f"{srv.url}/v1/completions", timeout=120, json={
+        "model": model, "prompt": [5, 6, 7], "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+
+
+def test_units_share_a_memory_budget(tiny_model_dir, tmp_path):
+    weights = sum(p.stat().st_size for p in Path(tiny_model_dir).glob("*.safetensors"))
+    one = weights + 16 * MIB                          # an instance: the weights and its 16 MiB KV pool
+    alpha = unit("alpha", tiny_model_dir)
+    beta = UnitSpec.model_validate(unit("beta", tiny_model_dir).model_dump() | {"faults": {
+        "seed": 1, "inject": [{"kind": "step_degradation", "stages_ms": [15], "stage_s": 3600, "instances": 4}]}})
+    huge = UnitSpec.model_validate(unit("huge", tiny_model_dir).model_dump()
+                                   | {"resources": alpha.resources.model_dump() | {"kv_cache_mb": 256}})
+    gw = Gateway(tmp_path, tick_s=0.2, memory_budget_mb=one * 1.3 / MIB)
+    app = build_gateway_app(gw, [alpha, beta, huge], ServerSettings(drain_grace_s=0.5))
+    srv = start_server(app, server_cls=DrainingServer, app=app, grace_s=0.5)
+    try:
+        assert _complete(srv, "alpha").status_code == 200
+        mem = httpx.get(f"{srv.url}/v1/status").json()["memory"]
+        assert set(mem["by_unit_mb"]) == {"alpha"} and mem["reserved_mb"] <= mem["capacity_mb"]
+        # beta does not fit beside alpha: alpha is idle, so it is evicted for beta
+        assert _complete(srv, "beta").status_code == 200
+        assert any(e["event"] == "evicted" and e["for"] == "beta" for e in _events(srv, "alpha"))
+        wait_for(lambda: httpx.get(f"{srv.url}/v1/units/alpha").json()["instances"] == [], what="alpha at zero")
+        assert set(httpx.get(f"{srv.url}/v1/status").json()["memory"]["by_unit_mb"]) == {"beta"}
+        # beta busy with a long stream: alpha's start waits for it (the stream is never cut), then evicts it
+        beta_text: list[str] = []
+        beta_done = threading.Event()
+
+        def stream_beta() -> None:
+            with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=120, json={
+                    "model": "beta", "prompt": [5, 6, 7], "max_tokens": 120, "ignore_eos": True,
+                    "stream": True}) as r:
+                beta_text.extend(line for line in r.iter_lines() if line.startswith("data: {"))
+            beta_done.set()
+
+        t = threading.Thread(target=stream_beta)
+        t.start()
+        wait_for(lambda: len(beta_text) > 0 or httpx.get(f"{srv.url}/v1/units/beta").json()["inflight"] > 0,
+                 what="beta streaming")
+        r = _complete(srv, "alpha")
+        assert r.status_code == 200, r.text
+        t.join(60)
+        assert beta_done.is_set() and '"finish_reason":"length"' in beta_text[-1].replace(" ", "")   # never cut
+        assert any(e["event"] == "instance_waiting_for_memory" for e in _events(srv, "alpha"))
+        cold = httpx.get(f"{srv.url}/v1/units/alpha").json()["cold_start"]["phases_ms"]
+        assert cold.get("memory_wait", 0) > 0
+        # a unit whose one instance is over the whole budget: a typed 503 naming why
+        r = _complete(srv, "huge")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "unit_unavailable"
+        assert "may hold" in r.json()["error"]["message"]
+    finally:
+        srv.stop()
