@@ -1,6 +1,6 @@
 """Memory as a resource units share (issue 18, the part a CPU host can test): with a budget that
 holds one instance of either unit but not both, a start evicts the other unit's idle instance, waits
-while that unit is busy (its stream is never cut), and a unit that can never fit is a typed 503."""
+while that unit is busy (its stream is never cut), and a unit that can never fit is refused at deploy."""
 
 from __future__ import annotations
 
@@ -38,17 +38,19 @@ def test_units_share_a_memory_budget(tiny_model_dir, tmp_path):
     huge = UnitSpec.model_validate(unit("huge", tiny_model_dir).model_dump()
                                    | {"resources": alpha.resources.model_dump() | {"kv_cache_mb": 256}})
     gw = Gateway(tmp_path, tick_s=0.2, memory_budget_mb=one * 1.3 / MIB)
-    app = build_gateway_app(gw, [alpha, beta, huge], ServerSettings(drain_grace_s=0.5))
+    app = build_gateway_app(gw, [alpha, beta], ServerSettings(drain_grace_s=0.5))
     srv = start_server(app, server_cls=DrainingServer, app=app, grace_s=0.5)
     try:
         assert _complete(srv, "alpha").status_code == 200
         mem = httpx.get(f"{srv.url}/v1/status").json()["memory"]
-        assert set(mem["by_unit_mb"]) == {"alpha"} and mem["reserved_mb"] <= mem["capacity_mb"]
+        # the zygote holds the model's weights once for both units; alpha's instance its KV pool
+        assert set(mem["by_unit_mb"]) == {"(zygote)", "alpha"} and mem["reserved_mb"] <= mem["capacity_mb"]
+        assert abs(mem["by_unit_mb"]["(zygote)"] - weights / MIB) < 1.0
         # beta does not fit beside alpha: alpha is idle, so it is evicted for beta
         assert _complete(srv, "beta").status_code == 200
         assert any(e["event"] == "evicted" and e["for"] == "beta" for e in _events(srv, "alpha"))
         wait_for(lambda: httpx.get(f"{srv.url}/v1/units/alpha").json()["instances"] == [], what="alpha at zero")
-        assert set(httpx.get(f"{srv.url}/v1/status").json()["memory"]["by_unit_mb"]) == {"beta"}
+        assert set(httpx.get(f"{srv.url}/v1/status").json()["memory"]["by_unit_mb"]) == {"(zygote)", "beta"}
         # beta busy with a long stream: alpha's start waits for it (the stream is never cut), then evicts it
         beta_text: list[str] = []
         beta_done = threading.Event()
@@ -71,9 +73,9 @@ def test_units_share_a_memory_budget(tiny_model_dir, tmp_path):
         assert any(e["event"] == "instance_waiting_for_memory" for e in _events(srv, "alpha"))
         cold = httpx.get(f"{srv.url}/v1/units/alpha").json()["cold_start"]["phases_ms"]
         assert cold.get("memory_wait", 0) > 0
-        # a unit whose one instance is over the whole budget: a typed 503 naming why
-        r = _complete(srv, "huge")
-        assert r.status_code == 503 and r.json()["error"]["code"] == "unit_unavailable"
-        assert "may hold" in r.json()["error"]["message"]
+        # a unit whose weights and one KV pool cannot fit the budget: refused at deploy, with the numbers
+        r = httpx.post(f"{srv.url}/v1/units", json=huge.model_dump(), timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "insufficient_memory", r.text
+        assert "memory budget" in r.json()["error"]["message"]
     finally:
         srv.stop()

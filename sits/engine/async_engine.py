@@ -228,3 +228,7 @@ class AsyncEngine(AdapterCalls):
                 self._deliver(rid, err)
             for rid in list(self._calls):
                 self._answer(rid, error=err)
+        finally:
+            core.close()
+            for rid in list(self._calls):      # shut down with a call unanswered (an adapter still being read)
+                self._answer(rid, error=EngineDeadError("the engine shut down before it answered"))

@@ -89,6 +89,12 @@ class EngineCore:
             raise TypeError(f"EngineCore cannot handle {type(msg).__name__}")
         return []
 
+    def close(self) -> None:
+        """The driver is done: reads under way are dropped (their callers are told by the driver)."""
+        if self._reader is not None:
+            self._reader.shutdown(wait=False, cancel_futures=True)
+        self._reads.clear()
+
     def finished_work(self) -> list[EngineOutput]:
         """Answers to work that finished off the step thread: adapters read, now served (call between steps)."""
         out: list[EngineOutput] = []

@@ -160,6 +160,7 @@ class Gateway:
             backend = MeshUnit(spec, self)
         else:
             backend = await asyncio.to_thread(UnitBackend, spec, self)
+            self._refuse_over_budget(backend)
         # a set embedded by the unit's own model can only be ingested once the unit can run
         own_embedder = spec.memory is not None and spec.memory.embedder == "unit"
         if not own_embedder:
@@ -170,6 +171,7 @@ class Gateway:
         if spec.kind == "local" and self.cluster is not None:
             self.cluster.preload(asdict(spec.engine_config()))
         elif spec.kind == "local" and self.zygote is not None and self.zygote.alive:
+            self._hold_preloaded(backend)
             self.zygote.preload(asdict(spec.engine_config()))
         backend.tick(time.monotonic())           # min_instances start now
         if own_embedder:
@@ -224,6 +226,8 @@ class Gateway:
         if backend is None:
             return False
         await backend.close(SitsError(f"unit {name} was deleted", code="unit_deleted"))
+        if isinstance(backend, UnitBackend):
+            self._release_preloaded(backend)
         if self.cluster is not None and backend.spec.kind == "local":
             self.cluster.forget(asdict(backend.spec.engine_config()))
         self.record(name, "deleted", {})
@@ -257,12 +261,13 @@ class Gateway:
         ledger = self.ledger
         if ledger is None or self.cluster is not None or resolve_device(unit.spec.resources.device).type != "cpu":
             return
-        need = ledger.need(unit.name, unit.weight_bytes, unit.kv_bytes)
-        if need > ledger.capacity:
+        group = self._weights_group(unit)
+        need = ledger.need(group, unit.weight_bytes, unit.kv_bytes)
+        if need > ledger.capacity - (ledger.held(group) if group else 0):
             raise SitsError(f"an instance of {unit.name} needs {need / 2**20:.0f} MiB and this host's instances may "
                             f"hold {ledger.capacity / 2**20:.0f} MiB in all", code="insufficient_memory")
         waiting = False
-        while not ledger.reserve(inst.id, unit.name, unit.weight_bytes, unit.kv_bytes):
+        while not ledger.reserve(inst.id, unit.name, group, unit.weight_bytes, unit.kv_bytes):
             if inst.state.value == "DRAINING":       # not wanted any more
                 return
             self._evict_idle(unit.name, need - (ledger.capacity - ledger.reserved))
@@ -276,32 +281,77 @@ class Gateway:
         if self.ledger is not None:
             self.ledger.release(inst.id)
 
+    def _weights_group(self, unit: UnitBackend) -> str | None:
+        """The weights group an instance of ``unit`` shares (the zygote's preloaded model), or None
+        (no zygote: each instance loads its own copy)."""
+        if self.zygote is None or not self.zygote.alive or resolve_device(unit.spec.resources.device).type != "cpu":
+            return None
+        from sits.engine.llm_engine import PreloadedModel
+        return "weights:" + "|".join(map(str, PreloadedModel.key(unit.spec.engine_config())))
+
+    def _hold_preloaded(self, unit: UnitBackend) -> None:
+        """The zygote keeps a deployed CPU unit's weights (its forks share them): held in the ledger while
+        a unit of that model is deployed, so an instance's start reserves its KV pool only."""
+        ledger, group = self.ledger, self._weights_group(unit)
+        if ledger is None or group is None or ledger.holds(group):
+            return
+        short = ledger.reserved + unit.weight_bytes - ledger.capacity
+        ledger.hold(group, group, unit.weight_bytes)
+        if short > 0:       # instances give the rest back: idle ones now, busy ones when they stop
+            self._evict_idle(unit.name, short)
+
+    def _refuse_over_budget(self, unit: UnitBackend) -> None:
+        """A unit whose weights and one instance's KV pool cannot fit the budget beside the weights the
+        zygote holds for the other units is refused at deploy, with the numbers."""
+        ledger, group = self.ledger, self._weights_group(unit)
+        if ledger is None or resolve_device(unit.spec.resources.device).type != "cpu":
+            return
+        held = ledger.weights_held - (ledger.held(group) if group is not None and ledger.holds(group) else 0)
+        need = unit.weight_bytes + unit.kv_bytes
+        if held + need > ledger.capacity:
+            raise InvalidRequestError(
+                f"unit {unit.name}: its weights and one instance's KV pool ({need / 2**20:.0f} MiB) do not fit this "
+                f"host's memory budget ({ledger.capacity / 2**20:.0f} MiB) beside the weights of the units deployed "
+                f"({held / 2**20:.0f} MiB): raise --memory-budget-mb or make resources.kv_cache_mb smaller",
+                param="resources", code="insufficient_memory")
+
+    def _release_preloaded(self, unit: UnitBackend) -> None:
+        """The last deployed unit of a weights group is gone: the zygote drops the model."""
+        group = self._weights_group(unit)
+        if group is None or any(isinstance(u, UnitBackend) and self._weights_group(u) == group
+                                for u in self.units.values()):
+            return
+        if self.ledger is not None:
+            self.ledger.release(group)
+        self.zygote.forget(asdict(unit.spec.engine_config()))
+
     def _evict_idle(self, for_unit: str, shortfall: int) -> None:
-        """Scale down idle units (READY instances, nothing in flight or waiting), least recently used
-        first, until what they hold covers ``shortfall``."""
-        by_unit = self.ledger.by_unit()
-        idle = [u for u in self.units.values() if isinstance(u, UnitBackend) and u.name != for_unit
-                and u.dispatcher.inflight == 0 and u.dispatcher.waiting == 0 and u.pool.ready()
-                and not u.pool.starting() and u.name in by_unit]
+        """Drain idle instances of other units (nothing in flight or waiting; never below a unit's
+        ``min_instances``), least recently used unit first, until what they hold, with what is being
+        given back already, covers ``shortfall``."""
+        ledger = self.ledger
+        local = [u for u in self.units.values() if isinstance(u, UnitBackend)]
+        freeing = sum(ledger.held(i.id) for u in local for i in u.pool.instances if i.state.value == "DRAINING")
+        idle = [u for u in local if u.name != for_unit and u.dispatcher.inflight == 0 and u.dispatcher.waiting == 0
+                and len(u.pool.live()) > u.spec.scale.min_instances]
         idle.sort(key=lambda u: u.dispatcher.idle_since or 0.0)
-        freed = 0
         for u in idle:
-            if freed >= shortfall:
-                break
-            n = len(u.pool.live())
-            freed += by_unit[u.name] // max(n, 1)
-            reason = f"evicted: memory for {for_unit}"
-            u.pool.scale_to(n - 1, reason)
-            u.autoscaler.state.calm_since = time.monotonic()
-            self.record(u.name, "scale", {"from": n, "to": n - 1, "reason": reason, "direction": "down"})
-            self.record(u.name, "evicted", {"for": for_unit, "freed_mb": round(by_unit[u.name] / max(n, 1) / 2**20, 1)})
+            for inst in u.pool.ready():
+                if freeing >= shortfall or len(u.pool.live()) <= u.spec.scale.min_instances:
+                    return
+                if inst.inflight or not ledger.holds(inst.id):
+                    continue
+                n, freed = len(u.pool.live()), ledger.held(inst.id)
+                reason = f"evicted: memory for {for_unit}"
+                u.pool.evict(inst, reason)
+                u.autoscaler.state.calm_since = time.monotonic()
+                freeing += freed
+                self.record(u.name, "scale", {"from": n, "to": n - 1, "reason": reason, "direction": "down"})
+                self.record(u.name, "evicted", {"for": for_unit, "instance": inst.id, "freed_mb": round(freed / 2**20, 1)})
 
     async def start(self, config_units: list[UnitSpec]) -> None:
         """Start the zygote (or join the Ray cluster); deploy the persisted units, then the config's
         (which win on a name clash); tick."""
-        budget = self.memory_budget_mb * 2**20 if self.memory_budget_mb is not None else available_memory_bytes()
-        if budget is not None:
-            self.ledger = MemoryLedger(int(budget))
         if self.ray_address is not None:
             from sits.runtime.ray_cluster import RayCluster
             self.cluster = RayCluster(None if self.ray_address == "local" else self.ray_address,
@@ -315,6 +365,10 @@ class Gateway:
                                                  "preload_ms": self.zygote.info["preload_ms"]})
             except Exception as e:  # noqa: BLE001 - instances still start, from fresh interpreters
                 log.error("zygote failed to start (%s); instances will start from fresh processes", e)
+        # the default budget: what is available once the zygote (torch imported) is up
+        budget = self.memory_budget_mb * 2**20 if self.memory_budget_mb is not None else available_memory_bytes()
+        if budget is not None and self.cluster is None:
+            self.ledger = MemoryLedger(int(budget))
         by_name = {u.name: u for u in self.store.all()}
         for u in config_units:
             by_name[u.name] = u

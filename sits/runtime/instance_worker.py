@@ -49,6 +49,7 @@ def lower_priority() -> None:
 
 
 TOKEN_TIMEOUT_S = 10.0     # a TCP peer that has not sent the token by then is dropped
+ACCEPT_TIMEOUT_S = 300.0   # on TCP: no front end with the token by then, and the instance exits
 
 
 def listen_on(address: str) -> socket.socket:
@@ -79,8 +80,13 @@ def _accept(listener: socket.socket, token: str | None) -> socket.socket:
     """The front end's connection: on TCP, the first peer that sends ``token`` before anything else
     (nothing it sent is unpickled before that); others are dropped."""
     import hmac
+    if token is not None:
+        listener.settimeout(ACCEPT_TIMEOUT_S)
     while True:
-        conn, _ = listener.accept()
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            raise ConnectionResetError("no front end connected") from None
         if token is None:
             return conn
         want = token.encode()
@@ -127,7 +133,11 @@ def serve_instance(cfg_dict: dict, sock_path: str, preloaded=None, listener: soc
         return 2
     send_blocking(conn, Ready(pid=os.getpid(), limits=engine.limits, cold_start=engine.report.to_dict(),
                               inherited_weights=engine.inherited_weights, adapters=engine.adapter_views()))
-    return _loop(EngineCore(engine), conn)
+    core = EngineCore(engine)
+    try:
+        return _loop(core, conn)
+    finally:
+        core.close()
 
 
 def _loop(core, conn: socket.socket) -> int:

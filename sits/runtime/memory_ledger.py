@@ -1,13 +1,16 @@
-"""Memory as a resource the gateway's units share: what each instance holds, against a budget.
+"""Memory as a resource the gateway's units share: what this host's instances and the zygote hold,
+against a budget.
 
-An instance's start reserves its share first: the unit's weights once (instances forked from the
-zygote share them) and its own KV pool. A start that does not fit evicts idle instances of other
-units (none in flight, least recently used unit first: the unit scales down by one, as a keep-alive
-expiry would) and waits while the memory is being freed; with nothing idle to evict it waits until
-an instance stops. A running instance is never what pays for a start: no start is allowed to push
-the host past its budget (the kernel's OOM killer would pick a victim by itself). Scale to zero
-gives the memory back. This is for CPU instances; a GPU's memory is not measured here (that needs
-the device, which the gateway does not touch).
+A deployed CPU unit's weights are held once while the zygote keeps them preloaded (every fork
+shares them, and so does every unit of the same model, dtype and layout: one *weights group*); an
+instance's start then reserves its KV pool only. An instance started without the zygote loads its
+own copy, so it reserves its weights too. A start that does not fit evicts idle instances of other
+units (none in flight, never below a unit's ``min_instances``, least recently used unit first: the
+unit scales down by one, as a keep-alive expiry would) and waits while the memory is being given
+back; with nothing idle to evict it waits until an instance stops. No start is allowed to push the
+host past its budget (the kernel's OOM killer would pick a victim by itself). Scale to zero gives
+the KV pools back. This is for CPU instances; a GPU's memory is not measured here (that needs the
+device, which the gateway does not touch).
 """
 
 from __future__ import annotations
@@ -20,38 +23,54 @@ MIB = 2**20
 
 @dataclass(slots=True)
 class _Holding:
-    unit: str
+    unit: str               # for views: whose it is ("(zygote)" for preloaded weights)
+    group: str | None       # the weights group it belongs to (None: nothing shared)
     nbytes: int
 
 
 @dataclass
 class MemoryLedger:
-    capacity: int                                   # bytes the instances may hold together
-    _held: dict[str, _Holding] = field(default_factory=dict)       # instance id -> its reservation
+    capacity: int                                   # bytes the instances and the zygote may hold together
+    _held: dict[str, _Holding] = field(default_factory=dict)       # key (instance id, or a group's) -> holding
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def reserved(self) -> int:
         return sum(h.nbytes for h in self._held.values())
 
-    def need(self, unit: str, weights: int, kv: int) -> int:
-        """An instance of ``unit``: its KV pool, and the weights if no instance of the unit holds them."""
-        return kv + (0 if any(h.unit == unit for h in self._held.values()) else weights)
+    def need(self, group: str | None, weights: int, kv: int) -> int:
+        """An instance's share: its KV pool, and the weights unless its group holds them already."""
+        if group is not None and any(h.group == group for h in self._held.values()):
+            return kv
+        return kv + weights
 
-    def reserve(self, instance: str, unit: str, weights: int, kv: int) -> bool:
-        n = self.need(unit, weights, kv)
+    def reserve(self, instance: str, unit: str, group: str | None, weights: int, kv: int) -> bool:
+        n = self.need(group, weights, kv)
         if self.reserved + n > self.capacity:
             return False
-        self._held[instance] = _Holding(unit, n)
+        self._held[instance] = _Holding(unit, group, n)
         return True
 
-    def release(self, instance: str) -> None:
-        h = self._held.pop(instance, None)
+    def hold(self, key: str, group: str, nbytes: int) -> None:
+        """A weights group's weights, held for as long as the zygote keeps them (``release(key)``), fitting
+        or not (it keeps them either way; starts wait until instances give enough back)."""
+        if key not in self._held:
+            self._held[key] = _Holding("(zygote)", group, nbytes)
+
+    @property
+    def weights_held(self) -> int:
+        return sum(h.nbytes for k, h in self._held.items() if h.unit == "(zygote)")
+
+    def release(self, key: str) -> None:
+        h = self._held.pop(key, None)
         if h is None:
             return
-        others = [k for k, o in self._held.items() if o.unit == h.unit]
-        if others and h.nbytes > (kv := min(self._held[k].nbytes for k in others)):
-            self._held[others[0]].nbytes += h.nbytes - kv     # the weights stay with the unit's next instance
+        if h.group is not None:       # weights an instance carried stay with the group's next holder
+            others = [k for k, o in self._held.items() if o.group == h.group]
+            if others:
+                kv = min(self._held[k].nbytes for k in others)
+                if h.nbytes > kv:
+                    self._held[others[0]].nbytes += h.nbytes - kv
         self._freed.set()
 
     async def freed(self, timeout_s: float) -> None:
@@ -62,8 +81,12 @@ class MemoryLedger:
         except TimeoutError:
             pass
 
-    def holds(self, instance: str) -> bool:
-        return instance in self._held
+    def holds(self, key: str) -> bool:
+        return key in self._held
+
+    def held(self, key: str) -> int:
+        h = self._held.get(key)
+        return 0 if h is None else h.nbytes
 
     def by_unit(self) -> dict[str, int]:
         out: dict[str, int] = {}

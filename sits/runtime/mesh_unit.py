@@ -198,7 +198,7 @@ class MeshUnit(MessageUnit):
                         if checks:
                             attempt.events.append(ev)
                             continue
-                        delivered = True
+                        delivered = delivered or bool(ev.text)     # what the client has seen
                         yield ev
                 finally:
                     await events.aclose()
@@ -217,9 +217,14 @@ class MeshUnit(MessageUnit):
             except SitsError as e:
                 retryable = (esc.errors and (e.http_status >= 500 or e.http_status == 429)
                              and e.code not in NOT_OUTCOMES) or e.code == "context_length_exceeded"
-                if delivered or not retryable or (last and held is None):
+                if delivered or ((not retryable or last) and held is None):
                     self._decided(seq, tier, t0, "failed", e.code, path)
                     raise
+                if not retryable or last:      # no later tier for it: the answer held last is served
+                    attempt.reason = f"error:{e.code}"
+                    self.escalations["error"] += 1
+                    self._decided(seq, tier, t0, "escalated", attempt.reason, path)
+                    break
                 attempt.reason = f"error:{e.code}"
             self.escalations[attempt.reason.split(":")[0]] += 1
             self._decided(seq, tier, t0, "escalated", attempt.reason, path)

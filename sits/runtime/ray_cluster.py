@@ -95,7 +95,10 @@ class NodeAgent:
         """Fork an instance; with ``num_gpus``, on GPUs of this node no other instance of it holds (its
         placement group reserved that many here, so there are), and no GPU at all without."""
         taken = {g for gs in self.gpus_of.values() for g in gs}
-        mine = [g for g in self.gpus if g not in taken][:int(-(-num_gpus // 1))] if num_gpus else []
+        want = int(-(-num_gpus // 1)) if num_gpus else 0
+        mine = [g for g in self.gpus if g not in taken][:want]
+        if len(mine) < want:
+            raise RuntimeError(f"node {self.node_id[:12]}: {want} GPU(s) reserved but only {len(mine)} free here")
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, mine))}
         child = await self.zygote.fork(f"tcp://{self.ip}:0", cfg, token=token, env=env)
         if mine:
@@ -134,6 +137,18 @@ async def _agent_on(node_id: str, timeout_s: float = 60.0):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no SITS agent on Ray node {node_id[:12]}") from None
             await asyncio.sleep(0.1)
+
+
+def _as_future(ref) -> asyncio.Future:
+    return asyncio.wrap_future(ref.future())
+
+
+async def _kill_late(agent, forking) -> None:
+    try:
+        info = await _as_future(forking)
+        agent.kill.remote(info["pid"])
+    except Exception:  # noqa: BLE001 - the fork failed after all: nothing to kill
+        pass
 
 
 def _remove(group) -> None:
@@ -287,8 +302,13 @@ class RayCluster:
                                        f"within {self.placement_timeout_s:g} s") from None
                 node_id = placement_group_table(group)["bundles_to_node_id"][0]
                 agent = self.agents.get(node_id) or await _agent_on(node_id)
-                info = await asyncio.wait_for(agent.fork.remote(placement.engine_config(cfg), token,
-                                                                placement.num_gpus), FORK_TIMEOUT_S)
+                forking = agent.fork.remote(placement.engine_config(cfg), token, placement.num_gpus)
+                try:
+                    info = await asyncio.wait_for(asyncio.shield(_as_future(forking)), FORK_TIMEOUT_S)
+                except TimeoutError:      # a fork that lands later is killed: nobody will connect to it
+                    asyncio.get_running_loop().create_task(_kill_late(agent, forking))
+                    raise RuntimeError(f"the zygote on node {node_id[:12]} did not fork within "
+                                       f"{FORK_TIMEOUT_S:g} s") from None
             except BaseException:
                 _remove(group)
                 raise

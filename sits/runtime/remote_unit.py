@@ -167,6 +167,7 @@ class RemoteUnit(MessageUnit):
         headers = {"traceparent": scope.traceparent} if scope is not None and scope.traceparent else None
         first: float | None = None
         index = 0
+        marker = 0       # 1 once an empty first-token event stood for a tool call's start
         finish: str | None = None
         usage: dict = {}
         calls: dict[int, dict] = {}       # tool calls by their index, arguments accumulated
@@ -182,6 +183,7 @@ class RemoteUnit(MessageUnit):
                         for tc in delta.get("tool_calls") or []:
                             if not calls and first is None:      # the answer has begun: its first token is here
                                 first = time.monotonic()
+                                marker = 1
                                 yield TokenEvent(rid, REMOTE_TOKEN, "", index, arrival_time=seq.arrival_time,
                                                  first_scheduled_time=sent_at, first_token_time=first, time=first,
                                                  num_prompt_tokens=seq.prompt_len, num_output_tokens=index + 1)
@@ -220,7 +222,7 @@ class RemoteUnit(MessageUnit):
         yield TokenEvent(rid, None, "", index, finished=True,
                          finish_reason="stop" if finish in (None, "tool_calls", "function_call") else finish,
                          num_prompt_tokens=_count(usage.get("prompt_tokens"), seq.prompt_len),
-                         num_output_tokens=_count(usage.get("completion_tokens"), index),
+                         num_output_tokens=_count(usage.get("completion_tokens"), index - marker),
                          num_cached_tokens=_count(details.get("cached_tokens"), 0) if isinstance(details, dict) else 0,
                          arrival_time=seq.arrival_time, first_scheduled_time=sent_at,
                          first_token_time=first or now, time=now)

@@ -127,8 +127,10 @@ class UnitPool:
 
     def _stopped(self, inst: Instance, error: str | None = None) -> None:
         if inst.state is not InstanceState.STOPPED:
-            self._on_stopped(inst)
-            self._release_memory(inst)
+            try:
+                self._on_stopped(inst)
+            finally:
+                self._release_memory(inst)
         inst.state = InstanceState.STOPPED
         if error is not None:
             inst.error = error
@@ -300,6 +302,11 @@ class UnitPool:
         self._on_event("instance_failed", {"instance": inst.id, "error": inst.error,
                                            "failures_in_a_row": self.start_failures, "retry_in_s": wait})
         self._notify()
+
+    def evict(self, inst: Instance, reason: str) -> None:
+        """Drain this idle instance and want one fewer (its memory is needed by another unit)."""
+        self.desired = max(0, self.desired - 1)
+        self._drain(inst, reason)
 
     def _drain(self, inst: Instance, reason: str) -> None:
         prev = inst.state

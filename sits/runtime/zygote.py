@@ -86,6 +86,17 @@ def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
 
 
+def _forget(cfg_dict: dict) -> None:
+    from sits.engine.config import EngineConfig
+    from sits.engine.llm_engine import PreloadedModel
+    try:
+        _MODELS.pop(PreloadedModel.key(EngineConfig(**cfg_dict)), None)
+    except Exception:  # noqa: BLE001 - nothing was preloaded for a config that does not build
+        pass
+    import gc
+    gc.collect()
+
+
 def _child(sock_path: str, cfg: dict, fds_to_close: list[socket.socket], preloaded=None,
            listener: socket.socket | None = None, token: str | None = None) -> None:
     for s in fds_to_close:
@@ -134,6 +145,8 @@ def serve_zygote(control_path: str) -> int:
             for msg in decoder.feed(data):
                 if msg[0] == "preload":
                     _preloaded(msg[1])
+                elif msg[0] == "forget":        # its unit is gone: children that use it keep their copy
+                    _forget(msg[1])
                 elif msg[0] == "fork":
                     _, sock_path, cfg, *opts = msg
                     token = opts[0].get("token") if opts else None
@@ -263,6 +276,11 @@ class ZygoteClient:
         """Have the zygote build this model now, so the unit's first fork inherits it."""
         if self.alive:
             self._writer.write(encode(("preload", cfg)))
+
+    def forget(self, cfg: dict) -> None:
+        """Have the zygote drop this model (its unit was undeployed)."""
+        if self.alive:
+            self._writer.write(encode(("forget", cfg)))
 
     async def fork(self, sock_path: str, cfg: dict, *, token: str | None = None,
                    env: dict[str, str] | None = None) -> ForkedProcess:
