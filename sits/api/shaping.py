@@ -88,9 +88,8 @@ def encode_chat(backend: Backend, messages: list[dict], *, tools: list[ToolSpec]
     if len(messages) > backend.max_model_len:     # every message renders to a token at least
         raise ContextLengthExceededError(f"{len(messages)} messages cannot fit in this model's "
                                          f"{backend.max_model_len} tokens", param="messages")
-    tok = backend.tokenizer
-    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools),
-                     add_special_tokens=add_special_tokens, max_tokens=backend.max_model_len)
+    ids = backend.tokenizer.encode_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                        add_special_tokens=add_special_tokens, max_tokens=backend.max_model_len)
     if not ids:
         raise InvalidRequestError("the rendered conversation is empty", param="messages", code="empty_prompt")
     return ids

@@ -364,6 +364,14 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def encode_chat(self, messages: list[dict], *, tools: list[ToolSpec] | None = None,
+                    add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                    max_tokens: int | None = None) -> list[int]:
+        """The conversation rendered by the chat template and encoded. The template spells out its
+        special tokens, so none are added unless asked (``add_special_tokens``)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools),
+                           add_special_tokens=add_special_tokens, max_tokens=max_tokens)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[ToolSpec] | None = None) -> str:
         """Render OpenAI-style ``messages`` (and the ``tools`` on offer) into the prompt text the

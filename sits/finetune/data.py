@@ -49,8 +49,8 @@ def _example(row: dict, tokenizer: Tokenizer, max_len: int) -> Example | None:
     if "messages" in row:
         messages = row["messages"]
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        context = tokenizer.encode(tokenizer.apply_chat_template(messages[:last], add_generation_prompt=True))
-        full = tokenizer.encode(tokenizer.apply_chat_template(messages[:last + 1], add_generation_prompt=False))
+        context = tokenizer.encode_chat(messages[:last])
+        full = tokenizer.encode_chat(messages[:last + 1], add_generation_prompt=False)
         first = 0
         while first < min(len(context), len(full)) and full[first] == context[first]:
             first += 1                          # a template that renders earlier turns otherwise: what they share

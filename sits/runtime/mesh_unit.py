@@ -35,7 +35,7 @@ from sits.engine.sampling_params import SamplingParams
 from sits.engine.tool_format import parse_tool_calls
 from sits.observe import tracing
 from sits.runtime.hints import RequestHints
-from sits.runtime.message_unit import MessagePrompt, MessageUnit, estimate_tokens
+from sits.runtime.message_unit import EstimatedRequest, MessagePrompt, MessageUnit, estimate_tokens
 from sits.runtime.sla import NOT_OUTCOMES
 from sits.runtime.unit_spec import UnitSpec
 
@@ -52,15 +52,10 @@ class MeshUnavailableError(SitsError):
 
 
 @dataclass(frozen=True, slots=True)
-class MeshRequest(EngineRequest):
+class MeshRequest(EstimatedRequest):
     """A request held by a mesh until a tier is chosen: the prompt as messages or text."""
 
     prompt: MessagePrompt | str = ""
-    estimated_prompt_tokens: int = 0
-
-    @property
-    def prompt_len(self) -> int:
-        return self.estimated_prompt_tokens
 
 
 @dataclass(slots=True)
@@ -258,10 +253,7 @@ class MeshUnit(MessageUnit):
         params = replace(seq.params, logprobs=0) if want_logprobs else seq.params
         prompt = seq.prompt
         if isinstance(prompt, MessagePrompt) and not tier.features.message_prompts:
-            tok = tier.tokenizer
-            prompt = tok.encode(tok.apply_chat_template(prompt.messages, add_generation_prompt=True,
-                                                        tools=prompt.tools),
-                                add_special_tokens=False, max_tokens=tier.max_model_len)
+            prompt = tier.tokenizer.encode_chat(prompt.messages, tools=prompt.tools, max_tokens=tier.max_model_len)
         req = tier.prepare(prompt, params, request_id=rid, priority=seq.priority, interactive=seq.interactive)
         return replace(req, tenant=seq.tenant, tenant_weight=seq.tenant_weight)
 

@@ -66,6 +66,18 @@ def _text_of(content) -> str:
     return ""
 
 
+@dataclass(frozen=True, slots=True)
+class EstimatedRequest(EngineRequest):
+    """A request whose prompt crosses as messages or text: its length is an estimate until the model
+    that runs it reports its own count (in the finished event)."""
+
+    estimated_prompt_tokens: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return self.estimated_prompt_tokens
+
+
 class MessageUnit(FallbackGuard):
     kind = ""           # "remote" or "mesh": what its errors and views call it
 

@@ -28,7 +28,7 @@ from sits.engine.sampling_params import SamplingParams
 from sits.engine.tool_format import render_call
 from sits.observe import tracing
 from sits.runtime.hints import RequestHints
-from sits.runtime.message_unit import MessagePrompt, MessageUnit, estimate_tokens
+from sits.runtime.message_unit import EstimatedRequest, MessagePrompt, MessageUnit, estimate_tokens
 from sits.runtime.openai_endpoint import OpenAIEndpoint, RemoteError
 from sits.runtime.unit_spec import UnitSpec
 
@@ -39,16 +39,11 @@ REMOTE_TOKEN = -1     # the token id of a remote endpoint's text delta: its voca
 
 
 @dataclass(frozen=True, slots=True)
-class RemoteRequest(EngineRequest):
-    """A request prepared for the endpoint: its path and JSON body, and the estimated prompt length."""
+class RemoteRequest(EstimatedRequest):
+    """A request prepared for the endpoint: its path and JSON body."""
 
     path: str = "/chat/completions"
     body: dict = field(default_factory=dict)
-    estimated_prompt_tokens: int = 0
-
-    @property
-    def prompt_len(self) -> int:
-        return self.estimated_prompt_tokens
 
 
 @dataclass(slots=True)
