@@ -46,7 +46,8 @@ generate: install model
 
 test: install
 	$(PY) -m pytest -q
-	# the GPU checks, pointed at the CPU so they are known to pass before a GPU runs them
+	# the GPU checks, pointed at the CPU so they are known to pass before a GPU runs them (the paged
+	# Triton kernels through Triton's interpreter)
 	SITS_TEST_DEVICE=cpu $(PY) -m pytest -q tests/test_cuda.py
 
 test-slow: install

@@ -19,6 +19,9 @@ from sits.engine.loader import load_model
 from sits.engine.sampling_params import SamplingParams
 
 DEVICE = os.environ.get("SITS_TEST_DEVICE", "cuda")
+if not DEVICE.startswith("cuda"):
+    # the paged kernels then run in Triton's interpreter, which must be chosen before Triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytestmark = pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(), reason="no CUDA device")
 
 
@@ -86,3 +89,146 @@ def test_bfloat16_on_cuda_streams_and_frees_everything(tiny_model_dir):
     assert [o["token_ids"] for o in again] == [o["token_ids"] for o in outs]     # seeded: reproducible
     st = eng.stats()
     assert st.num_free_blocks == st.num_kv_blocks
+
+
+# -- the paged Triton kernels, decode graphs and sampling on the device ------------------------------
+# On the CPU these run through Triton's interpreter (slow: the shapes are kept small).
+
+@pytest.fixture
+def triton_kernels():
+    pytest.importorskip("triton")
+    from sits.engine.layers import paged_attention
+
+    assert paged_attention.available(torch.device(DEVICE))
+    return paged_attention
+
+
+def _paged_case(dtype, heads, kv_heads, dim, block_size, window, spans, seed=0):
+    """A KV cache holding each sequence's cached keys in scattered blocks, this step's new K/V and
+    queries, and the reference output: SDPA over each sequence's whole context, causal, windowed."""
+    import torch.nn.functional as F
+    from sits.engine.layers.paged_attention import PagedMetadata
+
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 64
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    total = sum(n for _, n in spans)
+    q = torch.randn(total, heads, dim, generator=g).to(dtype)
+    k_new, v_new = (torch.randn(total, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    ref = torch.empty(total, heads, dim)
+    tables, slots, cu, lens = [], [], [0], []
+    for cached, n in spans:
+        length, start = cached + n, cu[-1]
+        table = [free.pop() for _ in range(-(-length // block_size))]
+        k_all, v_all = (torch.randn(length, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+        k_all[cached:], v_all[cached:] = k_new[start:start + n], v_new[start:start + n]
+        for p in range(cached):
+            k_cache[table[p // block_size], p % block_size] = k_all[p]
+            v_cache[table[p // block_size], p % block_size] = v_all[p]
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(cached, length)]
+        q_pos, k_pos = torch.arange(cached, length)[:, None], torch.arange(length)[None, :]
+        mask = (k_pos <= q_pos) & ((q_pos - k_pos < window) if window else True)
+        ref[start:start + n] = F.scaled_dot_product_attention(
+            q[start:start + n].float().transpose(0, 1)[None], k_all.float().transpose(0, 1)[None],
+            v_all.float().transpose(0, 1)[None], attn_mask=mask, enable_gqa=heads != kv_heads)[0].transpose(0, 1)
+        tables.append(table)
+        cu.append(start + n)
+        lens.append(length)
+    width = max(len(t) for t in tables)
+    dev = torch.device(DEVICE)
+    meta = PagedMetadata(torch.tensor(cu, dtype=torch.int32, device=dev), torch.tensor(lens, dtype=torch.int32, device=dev),
+                         torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+                         max(n for _, n in spans))
+    return (q.to(dev), k_new.to(dev), v_new.to(dev), k_cache.to(dev), v_cache.to(dev),
+            torch.tensor(slots, device=dev), meta, ref)
+
+
+@pytest.mark.parametrize("dtype,heads,kv_heads,dim,block_size,window,spans,tol", [
+    # new prompts, decodes after a cached context, a chunk after a cached prefix; GQA groups of 2
+    (torch.float32, 4, 2, 16, 16, None, [(0, 5), (20, 1), (33, 1), (16, 20)], 1e-5),
+    # a group of 3 query heads per KV head (SmolLM2's 9/3), head_dim 64
+    (torch.float32, 9, 3, 64, 16, None, [(0, 37), (40, 1), (5, 1)], 1e-5),
+    # multi-head, blocks of 8, a sliding window of 12 crossed by prefill, chunk and decode
+    (torch.float32, 4, 4, 32, 8, 12, [(0, 30), (40, 1), (10, 9)], 1e-5),
+    (torch.bfloat16, 9, 3, 64, 16, None, [(0, 17), (40, 1)], 3e-2),
+    (torch.float16, 8, 2, 128, 16, 7, [(0, 17), (40, 1)], 3e-3),
+])
+def test_paged_kernels_store_kv_in_place_and_attend_like_sdpa(triton_kernels, dtype, heads, kv_heads, dim,
+                                                                block_size, window, spans, tol):
+    q, k_new, v_new, k_cache, v_cache, slots, meta, ref = _paged_case(dtype, heads, kv_heads, dim, block_size,
+                                                                       window, spans)
+    triton_kernels.store_kv(k_new, v_new, k_cache, v_cache, slots)
+    flat_k = k_cache.view(-1, kv_heads, dim)
+    assert torch.equal(flat_k[slots.long()], k_new)                    # every new key in its own slot
+    out = triton_kernels.paged_attention(q, k_cache, v_cache, meta, dim ** -0.5, window)
+    assert (out.float().cpu() - ref).abs().max().item() <= tol
+
+
+def test_a_slot_of_minus_one_is_not_stored(triton_kernels):
+    cache = torch.zeros(4, 4, 1, 16, device=DEVICE)
+    k = torch.ones(2, 1, 16, device=DEVICE)
+    triton_kernels.store_kv(k, k, cache, cache.clone(), torch.tensor([3, -1], device=DEVICE))
+    assert cache.view(-1, 16)[3].eq(1).all() and cache.sum().item() == 16
+
+
+def _hf_engine(tmp_path, tiny_model_dir, variant, **kw):
+    import shutil
+
+    from test_model_parity import VARIANTS, WINDOWED, _save_hf
+
+    VARIANTS_WITH_WINDOWS = VARIANTS | WINDOWED
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(VARIANTS, variant, VARIANTS_WITH_WINDOWS[variant])
+        _save_hf(tmp_path, variant)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tiny_model_dir}/{f}", tmp_path / f)
+    return lambda **more: LLMEngine(EngineConfig(model=str(tmp_path), device=DEVICE, warmup=False, num_kv_blocks=64,
+                                                 block_size=4, max_num_batched_tokens=24, dtype="float32", **kw | more))
+
+
+@pytest.mark.parametrize("variant", ["llama3-gqa-rope-scaling", "qwen2-window"])
+def test_paged_kernels_and_decode_graphs_serve_the_reference_tokens(triton_kernels, tmp_path, tiny_model_dir,
+                                                                     variant):
+    """Chunked prefills (blocks of 4, a 24-token budget), a prefix-cached prompt, batches of 1 to 3
+    decodes (graph buckets 1, 2, 4 with padding), Qwen2's per-layer window of 8 crossed: the paged
+    kernels, with and without decode graphs, give the reference path's greedy tokens and logprobs."""
+    pytest.importorskip("transformers")
+    make = _hf_engine(tmp_path, tiny_model_dir, variant)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(5, 500, (n,), generator=g).tolist() for n in (3, 30, 13)]
+    prompts.append(prompts[1][:20] + [7, 8])                   # five cached blocks, then two new tokens
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=0)
+    runs = {}
+    for attention, graphs in (("torch", False), ("triton", False), ("triton", True)):
+        eng = make(attention=attention, decode_graphs=graphs)
+        assert eng.attention == attention and (eng.runner.graphs is not None) == graphs
+        seqs = [eng.add_request(p, params) for p in prompts]
+        logprobs = {s.request_id: [] for s in seqs}
+        while eng.has_unfinished:
+            for ev in eng.step():
+                logprobs[ev.request_id].append(ev.logprob)
+        assert not eng.take_failures()
+        runs[attention, graphs] = [(list(s.output_token_ids), logprobs[s.request_id]) for s in seqs]
+        assert eng.stats().num_free_blocks == eng.stats().num_kv_blocks
+    ref = runs["torch", False]
+    for key in (("triton", False), ("triton", True)):
+        assert [ids for ids, _ in runs[key]] == [ids for ids, _ in ref], key
+        got, want = ([lp for _, lps in run for lp in lps] for run in (runs[key], ref))
+        assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-4
+
+
+def test_decode_graph_buckets():
+    from sits.engine.decode_graphs import bucket_sizes
+
+    assert bucket_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert bucket_sizes(20) == [1, 2, 4, 8, 16, 20] and bucket_sizes(3) == [1, 2, 3]
+
+
+def test_logits_stay_on_the_device_and_only_ids_cross(tiny_model_dir):
+    eng = _engine(tiny_model_dir, DEVICE)
+    eng.add_request([5, 6, 7], SamplingParams(max_tokens=2, temperature=0.7, top_p=0.9, seed=1))
+    batch = eng.scheduler.schedule()
+    logits, rows = eng.runner.execute(batch)
+    assert logits.device.type == torch.device(DEVICE).type and rows == [0]

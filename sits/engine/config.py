@@ -179,6 +179,19 @@ def _auto_dtype(device: torch.device, stored: torch.dtype) -> torch.dtype:
     return torch.float32
 
 
+def resolve_attention(name: str, device: torch.device) -> str:
+    """``torch`` or ``triton`` for the engine's attention (``EngineConfig.attention``): ``auto`` takes the
+    paged Triton kernels on a CUDA device where Triton is installed, the reference path elsewhere."""
+    from sits.engine.layers import paged_attention
+
+    if name == "triton" and not paged_attention.available(device):
+        raise UnsupportedModelError(f"attention 'triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1); "
+                                    f"this is {device}", param="attention")
+    if name == "auto":
+        return "triton" if device.type == "cuda" and paged_attention.available(device) else "torch"
+    return name
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -220,6 +233,8 @@ class EngineConfig:
     enable_lora: bool = False            # adapters may be loaded at run time (implied by lora_adapters)
     max_loras: int = 4                   # adapters resident on the device, and in one step, at most
     max_lora_rank: int = 64
+    attention: str = "auto"              # "torch" (reference), "triton" (paged kernels), auto: triton on CUDA
+    decode_graphs: bool = True           # with triton attention: decode steps replayed from CUDA graphs
 
     @property
     def lora_enabled(self) -> bool:
@@ -234,6 +249,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be 'int8' or None, got {self.quantization!r}")
         if self.policy not in ("pfsd", "fcfs"):
             raise ValueError(f"policy must be 'pfsd' or 'fcfs', got {self.policy!r}")
+        if self.attention not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention must be 'auto', 'torch' or 'triton', got {self.attention!r}")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
         if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

@@ -17,7 +17,7 @@ import torch
 
 from sits.engine.block_pool import BlockPool
 from sits.engine.cold_start import ColdStartReport, process_age_s
-from sits.engine.config import EngineConfig, ModelConfig, generation_defaults, resolve_device, resolve_dtype
+from sits.engine.config import EngineConfig, ModelConfig, generation_defaults, resolve_attention, resolve_device, resolve_dtype
 from sits.engine.host_memory import keep_step_buffers_in_heap
 from sits.engine.layers.linear import can_pack, pack_linears
 from sits.engine.quantization import quantize_model
@@ -135,7 +135,9 @@ class LLMEngine:
                                                cfg.max_lora_rank)
                 for name, path in cfg.lora_adapters:
                     self.adapters.load(name, path)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.adapters)
+        self.attention = resolve_attention(cfg.attention, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.adapters, self.attention,
+                                  cfg.max_num_seqs, self.max_model_len, cfg.decode_graphs)
         self.scheduler = Scheduler(cfg, self.pool, self.max_model_len)
         self.sampler = Sampler(default_seed=cfg.seed)
         eos = set(self.model_config.eos_token_id) | set(self.tokenizer.eos_token_ids)

@@ -17,6 +17,7 @@ from torch import nn
 
 from sits.engine.config import ModelConfig
 from sits.engine.errors import UnsupportedModelError
+from sits.engine.layers import paged_attention
 from sits.engine.layers.attention import decode_attention
 from sits.engine.layers.linear import Linear, fuse_linears
 
@@ -33,14 +34,16 @@ class PrefillSpan:
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """Where each new token's K/V goes and what each query attends to, for one step."""
+    """Where each new token's K/V goes and what each query attends to, for one step: for the
+    reference path (``prefills`` and the ``decode_*`` fields), or for the paged kernels (``paged``)."""
 
-    slot_mapping: torch.Tensor            # [T] long: flat KV slot of each new token
-    prefills: list[PrefillSpan]
-    decode_index: torch.Tensor | None     # [Bd] long: positions in the flat batch of 1-token decodes
-    decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] long (padded with block 0)
-    decode_mask: torch.Tensor | None      # [Bd, 1, 1, max_blocks*block_size] bool (True: attend)
+    slot_mapping: torch.Tensor            # [T] long: flat KV slot of each new token (-1: none, kernels only)
+    prefills: list[PrefillSpan] = ()
+    decode_index: torch.Tensor | None = None      # [Bd] long: positions in the flat batch of 1-token decodes
+    decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks] long (padded with block 0)
+    decode_mask: torch.Tensor | None = None       # [Bd, 1, 1, max_blocks*block_size] bool (True: attend)
     decode_window_mask: torch.Tensor | None = None  # the same, limited to the model's sliding window
+    paged: paged_attention.PagedMetadata | None = None  # set: attention runs in the paged kernels
 
 
 def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -175,6 +178,7 @@ class Attention(nn.Module):
         self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.gqa = self.num_heads != self.num_kv_heads
+        self.scale = self.head_dim ** -0.5          # SDPA's default, which the reference path uses
         self.qkv_proj: Linear | None = None     # q|k|v in one matmul, once ``fuse()`` ran
         self.qkv_sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                           self.num_kv_heads * self.head_dim)
@@ -212,6 +216,10 @@ class Attention(nn.Module):
         """x: [T, hidden] flat new tokens; kv_cache: [2, num_blocks, block_size, H_kv, D]."""
         q, k, v = self._qkv(x, cos, sin)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
+        if meta.paged is not None:
+            paged_attention.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            out = paged_attention.paged_attention(q, k_cache, v_cache, meta.paged, self.scale, self.window)
+            return self.o_proj(out.reshape(out.shape[0], -1))
         k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, k)
