@@ -4,12 +4,14 @@
 #
 #   bench/device_check.sh fetch   # on a host where pip works: the wheels the engine needs beyond
 #                                 # what such a GPU image holds, into .whl/ (add .whl/ to .git/info/exclude)
-#   bench/device_check.sh run     # on the GPU host: tests/test_cuda.py on the device and the CPU parity
-#                                 # tests against that host's transformers, then `sits bench engine
-#                                 # --device cuda` in fp32 and bf16 on the small preset
+#   bench/device_check.sh run     # on the GPU host (about 6 minutes): tests/test_cuda.py on the device and
+#                                 # the parity tests against that host's transformers; `sits bench step`
+#                                 # (reference vs paged kernels vs + CUDA graphs, against HF generate) on
+#                                 # the base preset (bf16), small (fp32) and a Llama-3.2-1B-shaped random
+#                                 # checkpoint; `sits bench engine` bursty + prefix on base (bf16)
 #
-# `run` writes its logs, the benchmark's JSON and its markdown section under $OUT (default
-# bench/out/device). It installs nothing into the host's Python: the wheels go to /tmp/site.
+# `run` writes its logs, each benchmark's JSON and markdown, and all of them in device_check.json and
+# device_check.md, under $OUT (default bench/out/device). It installs nothing into the host's Python: the wheels go to /tmp/site.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,14 +41,38 @@ run)
       python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'; } \
         2>&1 | tee "$OUT/host.txt"
     status=0
-    python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py tests/test_model_parity.py \
+    # 1. correctness on the device: the CUDA tests (paged kernels, decode graphs, sampling on the device)
+    #    and the CPU parity tests against this host's transformers
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py tests/test_model_parity.py \
         2>&1 | tee "$OUT/tests.log" || status=1
-    python3 -c 'from sits.modelbuild.tiny import build_tiny_model; build_tiny_model("/tmp/sits-small", preset="small", seed=0)'
-    for dtype in float32 bfloat16; do
-        python3 -m sits.cli bench engine --model /tmp/sits-small --device cuda --dtype "$dtype" --repeats 3 \
-            --json "$OUT/engine_cuda_$dtype.json" --write-docs "$OUT/benchmarks_cuda_$dtype.md" \
-            2>&1 | tee "$OUT/engine_cuda_$dtype.log" || status=1
-    done
+    # 2. models: the presets, and a random checkpoint shaped like Llama-3.2-1B (weights drawn on the GPU)
+    python3 - <<'PY'
+from sits.modelbuild.tiny import build_tiny_model
+for preset in ("small", "base"):
+    build_tiny_model(f"/tmp/sits-{preset}", preset=preset, seed=0, progress=None, overwrite=True)
+PY
+    python3 -m sits.cli model build-shaped /tmp/sits-llama1b --shape llama-3.2-1b --device cuda
+    # 3. the decode step per attention path (reference, paged, paged+graphs) against HF generate
+    bench() { local name=$1; shift; timeout 150 python3 -m sits.cli bench "$@" --json "$OUT/$name.json" \
+                  --write-docs "$OUT/$name.md" 2>&1 | tee "$OUT/$name.log" || status=1; }
+    bench step_base_bf16 step --model /tmp/sits-base --device cuda --dtype bfloat16 --batch-sizes 1,32 --repeats 3
+    bench step_small_fp32 step --model /tmp/sits-small --device cuda --dtype float32 --batch-sizes 1,32 --repeats 2
+    bench step_llama1b_bf16 step --model /tmp/sits-llama1b --device cuda --dtype bfloat16 --batch-sizes 1,32 \
+        --repeats 2 --steps 48
+    # 4. bursty PF-SD vs FCFS and the prefix cache, with the GPU's 2048-token step budget
+    bench engine_base_bf16 engine --model /tmp/sits-base --device cuda --dtype bfloat16 --only bursty --only prefix \
+        --repeats 1
+    # one JSON and one markdown for everything
+    python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+parts = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json")) if p.stem != "device_check"}
+(out / "device_check.json").write_text(json.dumps(parts, indent=2))
+host = (out / "host.txt").read_text() if (out / "host.txt").exists() else ""
+md = ["# Device check\n\n```\n" + host.strip() + "\n```"]
+md += [(out / f"{name}.md").read_text().strip() for name in parts if (out / f"{name}.md").exists()]
+(out / "device_check.md").write_text("\n\n".join(md))
+PY
     exit "$status"
     ;;
 *)

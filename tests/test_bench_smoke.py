@@ -176,3 +176,41 @@ def test_ray_bench_compares_a_remote_node_with_the_local_host(tiny_model_dir, tm
     assert all(g["cold_start_first_token_ms"] > 0 and g["itl_p50_ms"] > 0 for g in r["gateways"].values())
     assert r["transport"]["wire_tcp"]["n"] == r["transport"]["ray_streaming_generator"]["n"] == 400
     assert R_BEGIN in docs.read_text()
+
+
+def test_step_bench_times_each_available_path_against_hf(tiny_model_dir, tmp_path):
+    """On a CPU only the reference path runs (the paged ones need CUDA); the HF baseline runs beside it."""
+    from sits.bench import step_bench
+    out, docs = tmp_path / "step.json", tmp_path / "benchmarks.md"
+    step_bench.run_step_bench(tiny_model_dir, dtype="float32", batch_sizes=(1, 4), context=16, steps=8, repeats=1,
+                              json_out=str(out), docs_out=str(docs))
+    data = json.loads(out.read_text())
+    assert data["paths"] == ["reference"] and set(data["batches"]) == {"1", "4"}
+    for row in data["batches"].values():
+        assert row["reference_step_ms"] > 0 and row["hf_tok_s"] > 0 and row["reference_vs_hf"] > 0
+    text = docs.read_text()
+    assert step_bench.DOC_BEGIN in text and "| 4 |" in text
+    assert (tmp_path / "img" / "step_bench.png").stat().st_size > 1000
+
+
+def test_shaped_models_have_the_real_parameter_counts_and_load(tmp_path, monkeypatch, tiny_model_dir):
+    """Llama-3.2-1B and Llama-3.1-8B shapes count their published parameters; a small shape built by
+    the same code loads into the engine and generates."""
+    import math
+
+    from sits.engine.config import EngineConfig
+    from sits.engine.llm_engine import LLMEngine
+    from sits.engine.sampling_params import SamplingParams
+    from sits.modelbuild import shaped
+
+    counts = {s: sum(math.prod(d) for d in shaped.parameter_shapes(shaped.shaped_config(s)).values())
+              for s in shaped.SHAPES}
+    assert counts == {"llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248}
+    monkeypatch.setitem(shaped.SHAPES, "mini", dict(shaped.SHAPES["llama-3.2-1b"], vocab_size=6000, hidden_size=64,
+                                                     intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                                     num_key_value_heads=2, head_dim=16))
+    path = shaped.build_shaped_model(tmp_path / "mini", "mini", max_positions=512, progress=None)
+    eng = LLMEngine(EngineConfig(model=str(path), device="cpu", warmup=False, kv_cache_memory_mb=8))
+    assert eng.model_config.torch_dtype == "bfloat16" and eng.model_config.rope_scaling["rope_type"] == "llama3"
+    out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert len(out["token_ids"]) == 4 and max(out["token_ids"]) < 6000

@@ -232,3 +232,19 @@ def test_logits_stay_on_the_device_and_only_ids_cross(tiny_model_dir):
     batch = eng.scheduler.schedule()
     logits, rows = eng.runner.execute(batch)
     assert logits.device.type == torch.device(DEVICE).type and rows == [0]
+
+
+def test_the_step_budget_and_kv_pool_follow_the_device(tiny_model_dir):
+    from sits.engine.config import kv_blocks_for_device
+
+    assert EngineConfig(model=tiny_model_dir, device=DEVICE).max_num_batched_tokens == (
+        2048 if DEVICE.startswith("cuda") else 256)
+    assert EngineConfig(model=tiny_model_dir, device=DEVICE, max_num_batched_tokens=96).max_num_batched_tokens == 96
+    gib = 2**30
+    # 80 GiB device, 60 free (20 held by weights and others), 90% of it ours, 2 GiB reserve: 70 - 20 - 2 = 48 GiB
+    assert kv_blocks_for_device(60 * gib, 80 * gib, 0.9, 2 * gib, 2**20) == int(80 * gib * 0.9 - 22 * gib) // 2**20
+    assert kv_blocks_for_device(5 * gib, 80 * gib, 0.5, gib, 2**20) == 0       # others hold more than our share
+    if DEVICE.startswith("cuda"):
+        eng = _engine(tiny_model_dir, DEVICE, num_kv_blocks=None, gpu_memory_utilization=0.3)
+        free, total = torch.cuda.mem_get_info(DEVICE)
+        assert eng.limits.num_kv_blocks > 128 and total - free <= 0.3 * total + 2**30

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from sits.bench.common import add_bench_command, publish
 from sits.bench.common import log as _log
 from sits.bench.common import pct as _pct
-from sits.bench.hf_baseline import load_hf_causal_lm, vocab_size
+from sits.bench.hf_baseline import hf_decode_tok_s, load_hf_causal_lm, vocab_size
 from sits.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:    # torch and the engine load when the benchmark runs, not with `sits --help`
@@ -189,29 +189,6 @@ def _sits_decode(eng: LLMEngine, prompts: list[list[int]], out_len: int) -> floa
     return sum(len(r["token_ids"]) for r in results) / dt
 
 
-def _hf_decode(hf, prompts: list[list[int]], out_len: int, batched: bool, pad_id: int, hw: Hardware) -> float:
-    import torch
-    kw = dict(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=pad_id)
-    dev = hw.device
-    hw.sync()
-    t0 = time.perf_counter()
-    n = 0
-    with torch.inference_mode():
-        if batched:
-            width = max(len(p) for p in prompts)
-            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=dev)
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
-            out = hf.generate(input_ids=ids, attention_mask=mask, **kw)
-            n = (out.shape[1] - width) * len(prompts)
-        else:
-            for p in prompts:
-                out = hf.generate(input_ids=torch.tensor([p], device=dev),
-                                  attention_mask=torch.ones(1, len(p), dtype=torch.long, device=dev), **kw)
-                n += out.shape[1] - len(p)
-    hw.sync()
-    return n / (time.perf_counter() - t0)
-
-
 def bench_decode(model: str, hw: Hardware, quick: bool, repeats: int) -> dict:
     vocab = vocab_size(model)
     rng = random.Random(1)
@@ -224,8 +201,8 @@ def bench_decode(model: str, hw: Hardware, quick: bool, repeats: int) -> dict:
         prompts = [[rng.randrange(5, vocab) for _ in range(32)] for _ in range(c)]
         row = {}
         for name, fn in (("sits", lambda: _sits_decode(eng, prompts, out_len)),
-                         ("hf_sequential", lambda: _hf_decode(hf, prompts, out_len, False, 2, hw)),
-                         ("hf_batched", lambda: _hf_decode(hf, prompts, out_len, True, 2, hw))):
+                         ("hf_sequential", lambda: hf_decode_tok_s(hf, prompts, out_len, False, 2, hw)),
+                         ("hf_batched", lambda: hf_decode_tok_s(hf, prompts, out_len, True, 2, hw))):
             vals = []
             for r in range(repeats):
                 vals.append(fn())

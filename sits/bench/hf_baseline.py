@@ -5,6 +5,8 @@ SmolLM2; a benchmark feeds token ids, so only the weights matter)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from sits.engine.config import ModelConfig
@@ -42,3 +44,27 @@ def load_hf_causal_lm(model: str, dtype: torch.dtype, device: torch.device):
     if cfg.tie_word_embeddings:
         hf.tie_weights()
     return hf.to(device).eval()
+
+
+def hf_decode_tok_s(hf, prompts: list[list[int]], out_len: int, batched: bool, pad_id: int, hw) -> float:
+    """Greedy ``generate`` of ``out_len`` tokens per prompt: new tokens per second. ``batched``: all
+    prompts in one left-padded call; else one call per prompt. ``hw``: the benchmark's ``Hardware``."""
+    kw = dict(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=pad_id)
+    dev = hw.device
+    hw.sync()
+    t0 = time.perf_counter()
+    n = 0
+    with torch.inference_mode():
+        if batched:
+            width = max(len(p) for p in prompts)
+            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=dev)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
+            out = hf.generate(input_ids=ids, attention_mask=mask, **kw)
+            n = (out.shape[1] - width) * len(prompts)
+        else:
+            for p in prompts:
+                out = hf.generate(input_ids=torch.tensor([p], device=dev),
+                                  attention_mask=torch.ones(1, len(p), dtype=torch.long, device=dev), **kw)
+                n += out.shape[1] - len(p)
+    hw.sync()
+    return n / (time.perf_counter() - t0)

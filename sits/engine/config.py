@@ -202,8 +202,9 @@ def resolve_device(name: str) -> torch.device:
 class EngineConfig:
     """Everything the engine needs to run one model on one device.
 
-    Defaults are sized for a small CPU host; a GPU host mostly raises ``max_num_batched_tokens``
-    and ``kv_cache_memory_mb``.
+    Defaults follow the device: a step's token budget is 256 on a CPU and 2048 on a GPU (where a
+    step's launches cost more than its arithmetic until it is large); on a GPU,
+    ``gpu_memory_utilization`` sizes the KV pool from the device's free memory.
     """
 
     model: str
@@ -215,10 +216,14 @@ class EngineConfig:
     threads: int | None = None           # intra-op threads on CPU (None: all cores)
     block_size: int = 16                 # tokens per KV block
     num_kv_blocks: int | None = None     # None: derived from kv_cache_memory_mb
-    kv_cache_memory_mb: int = 512        # KV pool size when num_kv_blocks is None
+    kv_cache_memory_mb: int = 512        # KV pool size when num_kv_blocks is None (and no gpu_memory_utilization)
+    gpu_memory_utilization: float | None = None  # on CUDA: the share of the device's memory this engine may
+                                         # fill; its KV pool takes what is free of it after the weights and an
+                                         # activation reserve (then kv_cache_memory_mb is not used)
     max_model_len: int | None = None     # None: the model's max_position_embeddings
     max_num_seqs: int = 64               # sequences in one step at most
-    max_num_batched_tokens: int = 256    # per-step token budget (prefill chunks + decodes)
+    max_num_batched_tokens: int | None = None  # per-step token budget (prefill chunks + decodes); None: 256 on
+                                         # a CPU, 2048 on a GPU
     policy: str = "pfsd"                 # "pfsd" (default) or "fcfs" (vLLM-style baseline)
     enable_prefix_caching: bool = True
     guided_jump_forward: bool = True     # a grammar's forced tokens join the output without a step each
@@ -253,8 +258,29 @@ class EngineConfig:
             raise ValueError(f"attention must be 'auto', 'torch' or 'triton', got {self.attention!r}")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 2048 if resolve_device(self.device).type == "cuda" else 256
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be >= 1")
+
+
+def activation_reserve_bytes(mc: ModelConfig, cfg: EngineConfig, dtype: torch.dtype) -> int:
+    """Device memory a step needs beside weights and KV: the largest step's activations (its tokens
+    through the widest layer, a few live at once), the sampler's fp32 copies of the logits, and a
+    fixed allowance for kernels' workspaces and CUDA graphs."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    qkv = (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
+    per_token = (4 * mc.hidden_size + qkv + 3 * mc.intermediate_size) * elem
+    logits = cfg.max_num_seqs * mc.vocab_size * 4 * 4
+    return 2 * cfg.max_num_batched_tokens * per_token + logits + 512 * 2**20
+
+
+def kv_blocks_for_device(free: int, total: int, utilization: float, reserve: int, per_block: int) -> int:
+    """KV blocks that fit in ``utilization`` of a device of ``total`` bytes of which ``free`` are free
+    (the weights already loaded count as used, and so does what other processes hold)."""
+    return max(0, (int(total * utilization) - (total - free) - reserve) // per_block)
 
 
 # generation_config.json keys that are request defaults (as vLLM reads them), and their request names

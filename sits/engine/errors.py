@@ -49,6 +49,13 @@ class ModelLoadError(SitsError):
     http_status = 500
 
 
+class InsufficientDeviceMemoryError(SitsError):
+    """The device has too little free memory for the engine's KV pool (an engine start fails)."""
+
+    code = "insufficient_memory"
+    http_status = 503
+
+
 class DuplicateRequestError(InvalidRequestError):
     code = "duplicate_request_id"
     http_status = 409

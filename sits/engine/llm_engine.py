@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import dataclasses
 import time
 from dataclasses import dataclass
 from itertools import count
@@ -17,17 +18,19 @@ import torch
 
 from sits.engine.block_pool import BlockPool
 from sits.engine.cold_start import ColdStartReport, process_age_s
-from sits.engine.config import EngineConfig, ModelConfig, generation_defaults, resolve_attention, resolve_device, resolve_dtype
+from sits.engine.config import (EngineConfig, ModelConfig, activation_reserve_bytes, generation_defaults,
+                               kv_blocks_for_device, resolve_attention, resolve_device, resolve_dtype)
 from sits.engine.host_memory import keep_step_buffers_in_heap
 from sits.engine.layers.linear import can_pack, pack_linears
 from sits.engine.quantization import quantize_model
 from sits.engine.detokenizer import IncrementalDetokenizer
-from sits.engine.errors import EngineStepError, InvalidRequestError, NonFiniteLogitsError, SitsError
+from sits.engine.errors import (EngineStepError, InsufficientDeviceMemoryError, InvalidRequestError,
+                               NonFiniteLogitsError, SitsError)
 from sits.engine.guided import vocabulary_for
-from sits.engine.kv_cache import KVCache
+from sits.engine.kv_cache import KVCache, bytes_per_block
 from sits.engine.loader import load_model
 from sits.engine.lora import AdapterInUseError, AdapterManager, AdapterNotFoundError, LoraAdapter
-from sits.engine.messages import EngineRequest, EngineStats, TokenEvent
+from sits.engine.messages import EngineLimits, EngineRequest, EngineStats, TokenEvent
 from sits.engine.model_runner import ModelRunner
 from sits.engine.request_validator import RequestValidator, plan_limits
 from sits.engine.sampler import Sampler
@@ -122,6 +125,8 @@ class LLMEngine:
         with self.report.phase("tokenizer"):
             self.tokenizer = preloaded.tokenizer if preloaded else Tokenizer.from_dir(cfg.model)
             self.sampling_defaults = generation_defaults(cfg.model)
+        if self.device.type == "cuda" and cfg.gpu_memory_utilization and not cfg.num_kv_blocks:
+            self.limits = self._device_sized_limits()
         with self.report.phase("kv_allocation"):
             num_blocks = self.limits.num_kv_blocks
             self.kv_cache = KVCache(self.model_config, num_blocks, cfg.block_size, self.device, self.dtype,
@@ -151,6 +156,21 @@ class LLMEngine:
                        max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len, threads=self.threads,
                        minimal=cfg.warmup_shapes == "minimal")
         self.report.ready_at = time.monotonic()
+
+    def _device_sized_limits(self) -> EngineLimits:
+        """The limits with a KV pool of what the device has free within ``gpu_memory_utilization``
+        (read after the weights are on it); an engine that cannot hold one longest sequence fails to start."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        per_block = bytes_per_block(self.model_config, self.cfg.block_size, self.dtype)
+        blocks = kv_blocks_for_device(free, total, self.cfg.gpu_memory_utilization,
+                                      activation_reserve_bytes(self.model_config, self.cfg, self.dtype), per_block)
+        needed = -(-self.max_model_len // self.cfg.block_size)
+        if blocks < needed:
+            raise InsufficientDeviceMemoryError(
+                f"{self.device}: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free after the weights leaves room "
+                f"for {blocks} KV blocks within gpu_memory_utilization={self.cfg.gpu_memory_utilization}; one "
+                f"{self.max_model_len}-token sequence needs {needed} (lower max_model_len or raise the share)")
+        return dataclasses.replace(self.limits, num_kv_blocks=blocks)
 
     # -- requests -------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
