@@ -193,18 +193,21 @@ def test_paged_kernels_and_decode_graphs_serve_the_reference_tokens(triton_kerne
                                                                      variant):
     """Chunked prefills (blocks of 4, a 24-token budget), a prefix-cached prompt, batches of 1 to 3
     decodes (graph buckets 1, 2, 4 with padding), Qwen2's per-layer window of 8 crossed: the paged
-    kernels, with and without decode graphs, give the reference path's greedy tokens and logprobs."""
+    kernels, with and without decode graphs, give the reference path's tokens and logprobs, greedy and
+    seeded-sampled alike."""
     pytest.importorskip("transformers")
     make = _hf_engine(tmp_path, tiny_model_dir, variant)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(5, 500, (n,), generator=g).tolist() for n in (3, 30, 13)]
     prompts.append(prompts[1][:20] + [7, 8])                   # five cached blocks, then two new tokens
-    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=0)
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=0)
+    sampled = SamplingParams(max_tokens=5, temperature=0.8, top_p=0.9, top_k=50, seed=11, ignore_eos=True,
+                             logprobs=0, repetition_penalty=1.2)      # sampled on the device, seeded
     runs = {}
     for attention, graphs in (("torch", False), ("triton", False), ("triton", True)):
         eng = make(attention=attention, decode_graphs=graphs)
         assert eng.attention == attention and (eng.runner.graphs is not None) == graphs
-        seqs = [eng.add_request(p, params) for p in prompts]
+        seqs = [eng.add_request(p, greedy if i % 2 == 0 else sampled) for i, p in enumerate(prompts)]
         logprobs = {s.request_id: [] for s in seqs}
         while eng.has_unfinished:
             for ev in eng.step():

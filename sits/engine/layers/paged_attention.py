@@ -195,6 +195,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=dim, HEAD_DIM_PAD=kernels["next_pow2"](dim),
-        BLOCK_SIZE=block_size, TILE=max(16, min(64, kernels["next_pow2"](block_size))),
+        BLOCK_SIZE=block_size, TILE=64 if dim <= 128 else 32,       # a tile may span several KV blocks
         WINDOW=window or 0, UPCAST=kernels["interpreted"] and q.dtype != torch.float32, IEEE=q.dtype == torch.float32)
     return out
