@@ -421,3 +421,22 @@ def test_an_adapter_in_steady_use_does_not_keep_another_out(base, adapters, poli
             break
     assert other.finished and len(other.output_token_ids) == 6
     assert done_a >= 3
+
+
+def test_unloading_the_widest_adapter_shrinks_the_stacks(base, adapters):
+    """Rank 16 ("c") and rank 4 ("b") resident together: unloading "c" cuts every stack to what "b"
+    needs (steps multiply by rank 4 again, not 16), and "b" still answers with PEFT's tokens."""
+    path, _ = base
+    root, made = adapters
+    eng = _engine(path, root, ["b", "c"])
+    prompt = _prompt(3)
+    _run(eng, [(prompt, "b"), (prompt, "c")], max_tokens=2)
+    widths = lambda: {m.A.shape[1] if m.A is not None else 0 for m in eng.adapters.modules}  # noqa: E731
+    assert 16 in widths()
+    eng.unload_adapter("c")
+    assert widths() == {0, 4}             # q and v (fp32 on a CPU: not fused): 4 each; the rest: nothing
+    [(tokens, logprobs, _)] = _run(eng, [(prompt, "b")])
+    steps = _reference(made["b"], prompt, tokens)
+    assert tokens == steps.argmax(-1).tolist()
+    eng.unload_adapter("b")
+    assert widths() == {0}

@@ -222,6 +222,23 @@ class LoraLinear(nn.Module):
                 out2.index_add_(0, rows, (x2.index_select(0, rows) @ self.A[slot].t()) @ self.B[slot].t())
         return out
 
+    def rank_for(self, adapter: "LoraAdapter") -> int:
+        """The stack rank ``adapter`` takes in this module (its parts' ranks side by side)."""
+        return sum(adapter.weights[(self.layer, name)][0].shape[0] for name, _, _ in self.parts
+                   if (self.layer, name) in adapter.weights)
+
+    def shrink_to(self, rank: int) -> None:
+        """Drop the stacks' columns past ``rank`` (no resident adapter uses them): every later step
+        then multiplies by the largest rank still served, not the largest ever loaded. A slot's
+        adapter fills its columns from 0, so the adapters kept lose nothing."""
+        if self.A is None or rank >= self.A.shape[1]:
+            return
+        if rank == 0:
+            self.A = self.B = None
+            return
+        self.A = self.A[:, :rank].contiguous()
+        self.B = self.B[:, :, :rank].contiguous()
+
     def fill(self, slot: int, adapter: "LoraAdapter", slots: int, device: torch.device, dtype: torch.dtype) -> None:
         """Put ``adapter``'s matrices for these parts into ``slot`` (growing the stacks' rank if needed)."""
         pieces = [(first, width, adapter.weights[(self.layer, name)]) for name, first, width in self.parts
@@ -320,6 +337,8 @@ class AdapterManager:
         del self.host[name]
         del self.roots[name]
         self.resident.pop(name, None)            # its slot is overwritten by the next adapter that needs one
+        for module in self.modules:             # and the stacks keep only the rank the others need
+            module.shrink_to(max((module.rank_for(self.host[n]) for n in self.resident), default=0))
 
     def has(self, name: str) -> bool:
         return name in self.host
