@@ -8,7 +8,8 @@
 #                                 # the parity tests against that host's transformers; `sits bench step`
 #                                 # (reference vs paged kernels vs + CUDA graphs, against HF generate) on
 #                                 # the base preset (bf16), small (fp32) and a Llama-3.2-1B-shaped random
-#                                 # checkpoint; `sits bench engine` bursty + prefix on base (bf16)
+#                                 # checkpoint; `sits bench engine` bursty + prefix on base (bf16);
+#                                 # `sits bench lora` (8 adapters mixed) on base (bf16)
 #
 # `run` writes its logs, each benchmark's JSON and markdown, and all of them in device_check.json and
 # device_check.md, under $OUT (default bench/out/device). It installs nothing into the host's Python: the wheels go to /tmp/site.
@@ -62,6 +63,8 @@ PY
     # 4. bursty PF-SD vs FCFS and the prefix cache, with the GPU's 2048-token step budget
     bench engine_base_bf16 engine --model /tmp/sits-base --device cuda --dtype bfloat16 --only bursty --only prefix \
         --repeats 1
+    # 5. 8 LoRA adapters mixed in one batch vs one adapter vs one after another, on the GPU
+    bench lora_base_bf16 lora --model /tmp/sits-base --device cuda --dtype bfloat16 --requests 64 --repeats 2
     # one JSON and one markdown for everything
     python3 - "$OUT" <<'PY'
 import json, pathlib, sys

@@ -138,7 +138,8 @@ def _paged_case(dtype, heads, kv_heads, dim, block_size, window, spans, seed=0):
         lens.append(length)
     width = max(len(t) for t in tables)
     dev = torch.device(DEVICE)
-    meta = PagedMetadata(torch.tensor(cu, dtype=torch.int32, device=dev), torch.tensor(lens, dtype=torch.int32, device=dev),
+    meta = PagedMetadata(torch.tensor(cu, dtype=torch.int32, device=dev),
+                         torch.tensor(lens, dtype=torch.int32, device=dev),
                          torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
                          max(n for _, n in spans))
     return (q.to(dev), k_new.to(dev), v_new.to(dev), k_cache.to(dev), v_cache.to(dev),
@@ -251,3 +252,24 @@ def test_the_step_budget_and_kv_pool_follow_the_device(tiny_model_dir):
         eng = _engine(tiny_model_dir, DEVICE, num_kv_blocks=None, gpu_memory_utilization=0.3)
         free, total = torch.cuda.mem_get_info(DEVICE)
         assert eng.limits.num_kv_blocks > 128 and total - free <= 0.3 * total + 2**30
+
+
+def test_lora_adapters_mixed_in_one_batch_on_the_device_give_the_cpu_tokens(tiny_model_dir, tmp_path):
+    """Two adapters and the base model in the same steps (gathered low-rank matmuls, fused projections
+    on a GPU): the CPU's greedy tokens."""
+    from sits.modelbuild.lora import build_random_adapter
+
+    adapters = tuple((f"a{k}", str(build_random_adapter(tiny_model_dir, tmp_path / f"a{k}", rank=8, seed=k, std=0.2)))
+                     for k in range(2))
+    prompts = [torch.randint(5, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 30, 17)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(device):
+        eng = _engine(tiny_model_dir, device, lora_adapters=adapters, dtype="float32")
+        seqs = [eng.add(eng.make_request(p, params, lora=lora)) for p, lora in zip(prompts, ["a0", None, "a1"])]
+        while eng.has_unfinished:
+            eng.step()
+        return [list(s.output_token_ids) for s in seqs]
+
+    got, want = run(DEVICE), run("cpu")
+    assert got == want and len({tuple(t) for t in got}) == 3

@@ -64,14 +64,15 @@ def _case(engine, case: str, prompts: list[list[int]], max_tokens: int) -> float
 
 def run_lora_bench(model: str, *, rounds: int = 3, requests: int = 32, prompt_len: int = 64, max_tokens: int = 32,
                    rank: int = 16, threads: int | None = None, json_out: str | None = None,
-                   docs_out: str | None = None) -> dict:
+                   docs_out: str | None = None, device: str = "cpu", dtype: str = "auto") -> dict:
     from sits.engine.config import EngineConfig
     from sits.engine.llm_engine import LLMEngine
     from sits.modelbuild.lora import build_random_adapter
     with tempfile.TemporaryDirectory(prefix="sits-lora-bench-") as tmp:
         adapters = tuple((f"a{k}", str(build_random_adapter(model, Path(tmp) / f"a{k}", rank=rank, seed=k)))
                          for k in range(ADAPTERS))
-        engine = LLMEngine(EngineConfig(model=model, device="cpu", threads=threads, lora_adapters=adapters,
+        engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, threads=threads,
+                                        lora_adapters=adapters,
                                         max_loras=ADAPTERS, max_lora_rank=rank, max_num_seqs=max(requests, 8),
                                         max_num_batched_tokens=max(256, requests), warmup=False))
     rng = random.Random(0)
@@ -88,6 +89,7 @@ def run_lora_bench(model: str, *, rounds: int = 3, requests: int = 32, prompt_le
     median = {c: statistics.median(v) for c, v in runs.items()}
     result = {"model": model, "rounds": rounds, "requests": requests, "prompt_len": prompt_len,
               "max_tokens": max_tokens, "rank": rank, "threads": engine.threads, "dtype": str(engine.dtype),
+              "device": str(engine.device),
               "tok_per_s": median, "runs": runs,
               "mixed_vs_one": median["8 mixed"] / median["one adapter"],
               "mixed_vs_sequential": median["8 mixed"] / median["8 one after another"],
@@ -104,7 +106,8 @@ def _plot(r: dict, path) -> None:
 def _markdown(r: dict, command: str, plot: str) -> str:
     t = r["tok_per_s"]
     lines = [DOC_BEGIN, "## LoRA adapters in one batch (`sits bench lora`)", "", f"Command: `{command}`  ",
-             f"Model `{r['model']}` ({r['dtype']}, {r['threads']} threads), {r['requests']} requests of "
+             f"Model `{r['model']}` ({r['dtype']}, {r.get('device', 'cpu')}, {r['threads']} threads), "
+             f"{r['requests']} requests of "
              f"{r['prompt_len']} prompt tokens and {r['max_tokens']} generated each, random rank-{r['rank']} "
              f"adapters on every projection; medians of {r['rounds']} rounds with the cases taking turns.", "",
              "| case | generated tok/s | vs one adapter | vs one after another |", "|---|---|---|---|"]
@@ -121,7 +124,7 @@ def _markdown(r: dict, command: str, plot: str) -> str:
 def _cli(args: argparse.Namespace) -> int:
     r = run_lora_bench(args.model, rounds=args.repeats, requests=args.requests, prompt_len=args.prompt_len,
                        max_tokens=args.max_tokens, rank=args.rank, threads=args.threads, json_out=args.json,
-                       docs_out=args.write_docs)
+                       docs_out=args.write_docs, device=args.device, dtype=args.dtype)
     print(json.dumps({k: r[k] for k in ("tok_per_s", "mixed_vs_one", "mixed_vs_sequential", "one_vs_base",
                                         "batching_ceiling")}, indent=2))
     return 0
@@ -135,3 +138,5 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
     p.add_argument("--max-tokens", type=int, default=32, help="generated tokens per request")
     p.add_argument("--rank", type=int, default=16, help="the adapters' rank")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="weights, adapters and KV cache (auto follows the checkpoint)")

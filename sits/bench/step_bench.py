@@ -52,7 +52,8 @@ def _step_times(model: str, hw: Hardware, path: str, batch: int, context: int, s
 
     eng = LLMEngine(EngineConfig(model=model, device=hw.device, dtype=hw.dtype, threads=hw.threads,
                                  max_num_seqs=max(batch, 1), max_num_batched_tokens=max(2048, context),
-                                 enable_prefix_caching=False, kv_cache_memory_mb=_kv_mb(model, hw, batch, context + steps),
+                                 enable_prefix_caching=False,
+                                 kv_cache_memory_mb=_kv_mb(model, hw, batch, context + steps),
                                  **PATHS[path]))
     rng = random.Random(seed)
     vocab = vocab_size(model)

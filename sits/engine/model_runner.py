@@ -92,7 +92,8 @@ class ModelRunner:
                             tables: list[list[int]]) -> AttentionMetadata:
         """The reference path's metadata: a span per prefill chunk, the 1-token decodes padded together."""
         decodes = [i for i, n in enumerate(num_new) if n == 1]
-        prefills = [PrefillSpan(cu[i], cu[i + 1], lens[i], self._to(tables[i])) for i, n in enumerate(num_new) if n != 1]
+        prefills = [PrefillSpan(cu[i], cu[i + 1], lens[i], self._to(tables[i]))
+                    for i, n in enumerate(num_new) if n != 1]
         if not decodes:
             return AttentionMetadata(slots, prefills)
         bs = self.block_size

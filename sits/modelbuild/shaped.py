@@ -80,7 +80,8 @@ def build_shaped_model(out_dir: str | Path, shape: str = "llama-3.2-1b", *, seed
         else:
             state[name] = (torch.randn(dims, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype).cpu()
     num_params = sum(t.numel() for t in state.values())
-    say(f"weights: {shape}, {num_params:,} parameters ({num_params * state['model.norm.weight'].element_size() / 1e9:.2f} "
+    gigabytes = num_params * state['model.norm.weight'].element_size() / 1e9
+    say(f"weights: {shape}, {num_params:,} parameters ({gigabytes:.2f} "
         f"GB) drawn in {time.perf_counter() - t0:.1f}s")
     t1 = time.perf_counter()
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})

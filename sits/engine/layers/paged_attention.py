@@ -124,7 +124,8 @@ def _build() -> dict[str, object]:
                 k_pos = tile * TILE + cols
                 k_ok = k_pos < key_end
                 block = tl.load(tables_ptr + seq * table_stride + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-                where = block * cache_stride_block + (k_pos % BLOCK_SIZE) * cache_stride_pos + kv_head * cache_stride_head
+                where = (block * cache_stride_block + (k_pos % BLOCK_SIZE) * cache_stride_pos
+                         + kv_head * cache_stride_head)
                 k = tl.load(k_cache_ptr + where[None, :] + dims[:, None], mask=dim_ok[:, None] & k_ok[None, :],
                             other=0.0)                                                  # [HEAD_DIM_PAD, TILE]
                 v = tl.load(v_cache_ptr + where[:, None] + dims[None, :], mask=k_ok[:, None] & dim_ok[None, :],
