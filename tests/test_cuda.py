@@ -62,8 +62,9 @@ def test_dense_logits_on_cuda_match_transformers(tmp_path, variant):
 
 
 def _engine(model: str, device: str, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model, device=device, warmup=False, num_kv_blocks=128, block_size=16,
-                                  max_num_batched_tokens=64, **kw))
+    """fp32 unless asked (``auto`` would be bf16 on a GPU and fp32 on this fp32 checkpoint's CPU)."""
+    return LLMEngine(EngineConfig(model=model, device=device, **({"warmup": False, "num_kv_blocks": 128,
+                                  "block_size": 16, "max_num_batched_tokens": 64, "dtype": "float32"} | kw)))
 
 
 def test_paged_serving_path_on_cuda_gives_the_cpu_greedy_tokens(tiny_model_dir):
@@ -208,6 +209,8 @@ def test_paged_kernels_and_decode_graphs_serve_the_reference_tokens(triton_kerne
     for attention, graphs in (("torch", False), ("triton", False), ("triton", True)):
         eng = make(attention=attention, decode_graphs=graphs)
         assert eng.attention == attention and (eng.runner.graphs is not None) == graphs
+        if graphs:     # captured on CUDA (as warm-up does); elsewhere the same padded forward runs eagerly
+            assert eng.runner.capture_graphs() == (len(eng.runner.graphs.buckets) if DEVICE.startswith("cuda") else 0)
         seqs = [eng.add_request(p, greedy if i % 2 == 0 else sampled) for i, p in enumerate(prompts)]
         logprobs = {s.request_id: [] for s in seqs}
         while eng.has_unfinished:
@@ -241,9 +244,9 @@ def test_logits_stay_on_the_device_and_only_ids_cross(tiny_model_dir):
 def test_the_step_budget_and_kv_pool_follow_the_device(tiny_model_dir):
     from sits.engine.config import kv_blocks_for_device
 
-    assert EngineConfig(model=tiny_model_dir, device=DEVICE).max_num_batched_tokens == (
+    assert _engine(tiny_model_dir, DEVICE, max_num_batched_tokens=None).cfg.max_num_batched_tokens == (
         2048 if DEVICE.startswith("cuda") else 256)
-    assert EngineConfig(model=tiny_model_dir, device=DEVICE, max_num_batched_tokens=96).max_num_batched_tokens == 96
+    assert _engine(tiny_model_dir, DEVICE, max_num_batched_tokens=96).scheduler.cfg.max_num_batched_tokens == 96
     gib = 2**30
     # 80 GiB device, 60 free (20 held by weights and others), 90% of it ours, 2 GiB reserve: 70 - 20 - 2 = 48 GiB
     assert kv_blocks_for_device(60 * gib, 80 * gib, 0.9, 2 * gib, 2**20) == int(80 * gib * 0.9 - 22 * gib) // 2**20

@@ -222,8 +222,8 @@ class EngineConfig:
                                          # activation reserve (then kv_cache_memory_mb is not used)
     max_model_len: int | None = None     # None: the model's max_position_embeddings
     max_num_seqs: int = 64               # sequences in one step at most
-    max_num_batched_tokens: int | None = None  # per-step token budget (prefill chunks + decodes); None: 256 on
-                                         # a CPU, 2048 on a GPU
+    max_num_batched_tokens: int | None = None  # per-step token budget (prefill chunks + decodes); None: the
+                                         # device's (default_step_budget), set by the engine that runs it
     policy: str = "pfsd"                 # "pfsd" (default) or "fcfs" (vLLM-style baseline)
     enable_prefix_caching: bool = True
     guided_jump_forward: bool = True     # a grammar's forced tokens join the output without a step each
@@ -258,23 +258,33 @@ class EngineConfig:
             raise ValueError(f"attention must be 'auto', 'torch' or 'triton', got {self.attention!r}")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = 2048 if resolve_device(self.device).type == "cuda" else 256
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+        if self.block_size < 1 or (self.max_num_batched_tokens or 1) < 1 or self.max_num_seqs < 1:
             raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be >= 1")
+
+
+def default_step_budget(device: torch.device) -> int:
+    """Tokens per step when the config leaves it open: 256 on a CPU, 2048 on a GPU (where a step's
+    launches cost more than its arithmetic until the step is large)."""
+    return 2048 if device.type == "cuda" else 256
 
 
 def activation_reserve_bytes(mc: ModelConfig, cfg: EngineConfig, dtype: torch.dtype) -> int:
     """Device memory a step needs beside weights and KV: the largest step's activations (its tokens
-    through the widest layer, a few live at once), the sampler's fp32 copies of the logits, and a
-    fixed allowance for kernels' workspaces and CUDA graphs."""
+    through the widest layer, a few live at once), the sampler's fp32 copies of the logits, the LoRA
+    slot stacks at their largest, and a fixed allowance for kernels' workspaces and CUDA graphs."""
     elem = torch.empty((), dtype=dtype).element_size()
-    qkv = (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
-    per_token = (4 * mc.hidden_size + qkv + 3 * mc.intermediate_size) * elem
+    h, i = mc.hidden_size, mc.intermediate_size
+    q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
+    per_token = (4 * h + q + 2 * kv + 3 * i) * elem
     logits = cfg.max_num_seqs * mc.vocab_size * 4 * 4
-    return 2 * cfg.max_num_batched_tokens * per_token + logits + 512 * 2**20
+    lora = 0
+    if cfg.lora_enabled:        # every projection's A and B, per slot, at the largest rank
+        widths = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)
+        lora = cfg.max_loras * cfg.max_lora_rank * widths * mc.num_hidden_layers * elem
+    budget = cfg.max_num_batched_tokens or 2048
+    return 2 * budget * per_token + logits + lora + 512 * 2**20
 
 
 def kv_blocks_for_device(free: int, total: int, utilization: float, reserve: int, per_block: int) -> int:

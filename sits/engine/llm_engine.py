@@ -19,7 +19,8 @@ import torch
 from sits.engine.block_pool import BlockPool
 from sits.engine.cold_start import ColdStartReport, process_age_s
 from sits.engine.config import (EngineConfig, ModelConfig, activation_reserve_bytes, generation_defaults,
-                               kv_blocks_for_device, resolve_attention, resolve_device, resolve_dtype)
+                               default_step_budget, kv_blocks_for_device, resolve_attention, resolve_device,
+                               resolve_dtype)
 from sits.engine.host_memory import keep_step_buffers_in_heap
 from sits.engine.layers.linear import can_pack, pack_linears
 from sits.engine.quantization import quantize_model
@@ -100,12 +101,16 @@ class PreloadedModel:
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, preloaded: PreloadedModel | None = None):
         """``preloaded``: weights and tokenizer already built in this process (inherited from a zygote)."""
-        self.cfg = cfg
         self.report = ColdStartReport()
         age = process_age_s()
         if age is not None:
             self.report.record("imports", age * 1e3)
         self.device = resolve_device(cfg.device)
+        if cfg.max_num_batched_tokens is None:      # resolved here, where the device is known
+            cfg = dataclasses.replace(cfg, max_num_batched_tokens=default_step_budget(self.device))
+        self.cfg = cfg
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)      # Triton launches on the current device
         self.threads = cfg.threads or os.cpu_count() or 1
         if self.device.type == "cpu":
             torch.set_num_threads(self.threads)
@@ -160,11 +165,14 @@ class LLMEngine:
     def _device_sized_limits(self) -> EngineLimits:
         """The limits with a KV pool of what the device has free within ``gpu_memory_utilization``
         (read after the weights are on it); an engine that cannot hold one longest sequence fails to start."""
+        torch.cuda.empty_cache()                 # what load-time copies left cached is free for the pool
         free, total = torch.cuda.mem_get_info(self.device)
         per_block = bytes_per_block(self.model_config, self.cfg.block_size, self.dtype)
         blocks = kv_blocks_for_device(free, total, self.cfg.gpu_memory_utilization,
                                       activation_reserve_bytes(self.model_config, self.cfg, self.dtype), per_block)
         needed = -(-self.max_model_len // self.cfg.block_size)
+        # beyond every sequence at full length four times over, more blocks would only be cache
+        blocks = min(blocks, 4 * self.cfg.max_num_seqs * needed)
         if blocks < needed:
             raise InsufficientDeviceMemoryError(
                 f"{self.device}: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free after the weights leaves room "

@@ -136,6 +136,12 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Runs the step; returns float32 logits [S, vocab] for the S sequences that sample now,
         and their positions in ``batch.seqs``."""
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):   # Triton launches on the current device
+                return self._execute(batch)
+        return self._execute(batch)
+
+    def _execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         logits = self._graph_step(batch)
         if logits is not None:        # a decode step: every sequence samples
             return logits, list(range(len(batch.seqs)))

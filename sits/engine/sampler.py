@@ -183,7 +183,7 @@ class Sampler:
         # search lands on a token with nonzero probability (a flat stretch of the CDF never wins).
         # A row with a finite, positive mass draws an id inside the vocabulary; NaN fails both tests.
         total = cdf[:, -1:]
-        targets = (1.0 - torch.cat([d.to(device) for d in draws])).unsqueeze(1) * total
+        targets = (1.0 - torch.cat([d.cpu() for d in draws]).to(device, non_blocking=True)).unsqueeze(1) * total
         ok = ((total > 0) & (total < float("inf"))).squeeze(1)
         return torch.searchsorted(cdf, targets).squeeze(1), ok
 

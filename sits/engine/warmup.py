@@ -69,7 +69,7 @@ def run_warmup(runner: ModelRunner, pool: BlockPool, report: ColdStartReport, *,
         for n in prefills:
             seqs = _dummy_batch(pool, [n], vocab)
             if seqs:
-                runner.model.compute_logits(runner.model(*_flat(runner, seqs, [n])))
+                runner.model.compute_logits(runner.model(*_flat(runner, seqs, [n]))[-1:])   # sampled: the last
                 pool.release(seqs[0].block_table)
         for b in decodes:
             # Decode shape: one new token after a short context already in the cache.

@@ -85,7 +85,7 @@ def _build() -> dict[str, object]:
             tl.store(k_cache_ptr + slot * WIDTH + offs, k, mask=mask)
             tl.store(v_cache_ptr + slot * WIDTH + offs, v, mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["table_stride"])   # the eager path's width varies per step: one compile
     def attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_ptr, seq_lens_ptr, tables_ptr,
                          scale, q_stride_t, q_stride_h, o_stride_t, o_stride_h, table_stride,
                          cache_stride_block, cache_stride_pos, cache_stride_head,
@@ -195,7 +195,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out, q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=dim, HEAD_DIM_PAD=kernels["next_pow2"](dim),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=dim, HEAD_DIM_PAD=max(16, kernels["next_pow2"](dim)),
         BLOCK_SIZE=block_size, TILE=64 if dim <= 128 else 32,       # a tile may span several KV blocks
         WINDOW=window or 0, UPCAST=kernels["interpreted"] and q.dtype != torch.float32, IEEE=q.dtype == torch.float32)
     return out
