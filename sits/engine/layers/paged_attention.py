@@ -174,6 +174,22 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                                        WIDTH=width, WIDTH_PAD=kernels["next_pow2"](width))
 
 
+def attention_constants(dtype: torch.dtype, heads: int, kv_heads: int, dim: int, block_size: int, max_query_len: int,
+                        window: int | None, interpreted: bool = False) -> dict[str, object]:
+    """The attention kernel's compile-time constants for a step of this shape: 16 query rows per
+    program for decodes (the smallest ``tl.dot``), 64 for prefills; tiles of 64 keys (32 past
+    head_dim 128), which may span several KV blocks."""
+    def pow2(n: int) -> int:
+        return 1 << (n - 1).bit_length()
+
+    group = heads // kv_heads
+    block_m = max(16 if max_query_len <= 1 else 64, pow2(group))
+    return dict(GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, HEAD_DIM=dim,
+                HEAD_DIM_PAD=max(16, pow2(dim)), BLOCK_SIZE=block_size,
+                TILE=64 if dim <= 128 else 32, WINDOW=window or 0, UPCAST=interpreted and dtype != torch.float32,
+                IEEE=dtype == torch.float32)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
                     scale: float, window: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D] -> [T, H, D]: each new token attends causally to its sequence's keys in the cache
@@ -181,21 +197,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kernels = _build()
     tokens, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    group = heads // kv_heads
     out = torch.empty_like(q) if out is None else out
-    # 16 query rows per program at least (the smallest tl.dot); more for long prefills
-    block_m = max(16, kernels["next_pow2"](group)) if meta.max_query_len <= 1 else max(
-        64, kernels["next_pow2"](group))
-    block_q = block_m // group
     seqs = meta.seq_lens.shape[0]
     if not tokens or not seqs:
         return out
-    grid = (seqs, (meta.max_query_len + block_q - 1) // block_q, kv_heads)
+    const = attention_constants(q.dtype, heads, kv_heads, dim, block_size, meta.max_query_len, window,
+                                interpreted=kernels["interpreted"])
+    grid = (seqs, (meta.max_query_len + const["BLOCK_Q"] - 1) // const["BLOCK_Q"], kv_heads)
     kernels["attention"][grid](
         out, q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=dim, HEAD_DIM_PAD=max(16, kernels["next_pow2"](dim)),
-        BLOCK_SIZE=block_size, TILE=64 if dim <= 128 else 32,       # a tile may span several KV blocks
-        WINDOW=window or 0, UPCAST=kernels["interpreted"] and q.dtype != torch.float32, IEEE=q.dtype == torch.float32)
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), **const)
     return out
