@@ -276,3 +276,18 @@ def test_lora_adapters_mixed_in_one_batch_on_the_device_give_the_cpu_tokens(tiny
 
     got, want = run(DEVICE), run("cpu")
     assert got == want and len({tuple(t) for t in got}) == 3
+
+
+def test_a_minimal_warm_up_leaves_the_decode_graphs_to_idle_moments(tiny_model_dir, triton_kernels):
+    """A cold start's warm-up does not capture; idle_work then captures one bucket per call (on CUDA;
+    without CUDA there is nothing to capture and idle_work has nothing to do)."""
+    eng = _engine(tiny_model_dir, DEVICE, attention="triton", warmup=True, warmup_shapes="minimal", max_num_seqs=8)
+    graphs = eng.runner.graphs
+    assert graphs.graphs == {} and "graphs" not in eng.report.phases_ms
+    calls = 0
+    while eng.idle_work():
+        calls += 1
+    cuda = DEVICE.startswith("cuda")
+    assert calls == (len(graphs.buckets) - 1 if cuda else 0) and len(graphs.graphs) == (len(graphs.buckets) if cuda else 0)
+    out = eng.generate([[5, 6, 7]] * 3, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert all(len(o["token_ids"]) == 4 for o in out)

@@ -9,7 +9,9 @@ query: no attention work), so one graph serves every batch up to its size. Bucke
 then steps of 16 up to ``max_num_seqs`` (nano-vllm's choice). Prefill steps, steps with LoRA
 rows and larger batches run eagerly.
 
-Captured in the operator-level warm-up. Where there is no CUDA (the paged kernels under Triton's
+Captured in the operator-level warm-up; after a minimal warm-up (a cold start with a request
+waiting) the engine captures them in idle moments instead, one at a time, and decodes eagerly until
+its bucket's graph exists. Where there is no CUDA (the paged kernels under Triton's
 interpreter, in tests) the same buffers are filled and the same padded forward runs eagerly, so
 everything but the capture itself is exercised there.
 """
@@ -59,14 +61,21 @@ class DecodeGraphs:
             self.cu_seqlens[:bucket + 1], self.seq_lens[:bucket], self.block_tables[:bucket], max_query_len=1))
         self.hidden[:bucket] = self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_layers, meta)
 
+    @property
+    def pending(self) -> bool:
+        """Buckets still to capture (only on CUDA: elsewhere there is nothing to capture)."""
+        return self.device.type == "cuda" and len(self.graphs) < len(self.buckets)
+
     @torch.inference_mode()
-    def capture(self) -> int:
-        """Capture one graph per bucket, largest first so the smaller ones reuse its memory pool (only
-        on CUDA; elsewhere nothing to capture). Returns how many were captured."""
-        if self.device.type != "cuda":
+    def capture(self, max_graphs: int | None = None) -> int:
+        """Capture the buckets not captured yet (at most ``max_graphs``), largest first so the smaller
+        ones reuse its memory pool. Between steps only: the capture runs over the static buffers
+        (padding everywhere: nothing is stored in or read from the KV cache). Returns how many."""
+        if not self.pending:
             return 0
         self._fill([], [], [], [], [])
-        for bucket in reversed(self.buckets):
+        todo = [b for b in reversed(self.buckets) if b not in self.graphs][:max_graphs]
+        for bucket in todo:
             self._forward(bucket)                     # compiles the kernels and sizes the allocator first
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
@@ -75,7 +84,7 @@ class DecodeGraphs:
             self._pool = self._pool or graph.pool()
             self.graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
-        return len(self.graphs)
+        return len(todo)
 
     def _fill(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
               tables: list[list[int]]) -> None:

@@ -289,15 +289,21 @@ class LLMEngine:
         return bool(self.requests)
 
     def idle_work(self) -> bool:
-        """Background start-up work for idle moments (faulting in an untouched KV pool); True while
-        some is left. The step loop calls it only when no request is running."""
-        if self.kv_cache.fully_touched:
+        """Background start-up work for idle moments (faulting in an untouched KV pool, then capturing
+        the decode graphs a minimal warm-up left for later, one at a time); True while some is left.
+        The step loop calls it only when no request is running."""
+        graphs = self.runner.graphs
+        if self.kv_cache.fully_touched and (graphs is None or not graphs.pending):
             return False
         t0 = time.perf_counter()
-        more = self.kv_cache.touch_some()
-        self.report.phases_ms["kv_touch_background"] = (self.report.phases_ms.get("kv_touch_background", 0.0)
-                                                        + (time.perf_counter() - t0) * 1e3)
-        return more
+        if not self.kv_cache.fully_touched:
+            self.kv_cache.touch_some()
+            phase = "kv_touch_background"
+        else:
+            graphs.capture(max_graphs=1)
+            phase = "graphs_background"
+        self.report.phases_ms[phase] = self.report.phases_ms.get(phase, 0.0) + (time.perf_counter() - t0) * 1e3
+        return not self.kv_cache.fully_touched or (graphs is not None and graphs.pending)
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:

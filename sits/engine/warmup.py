@@ -3,7 +3,8 @@
 - model level: the memory-mapped weights are faulted in (one strided read per page);
 - operator level: dummy forward passes over the prefill-chunk and decode-batch shapes the scheduler
   will produce, so kernels, allocator pools and (on GPU) autotuning are ready; then the decode
-  steps' CUDA graphs are captured (the ``graphs`` phase; only with the paged kernels on CUDA);
+  steps' CUDA graphs are captured (the ``graphs`` phase; only with the paged kernels on CUDA; a
+  minimal warm-up leaves them to the engine's idle moments);
 - hardware level: the intra-op thread pool is started and the KV pool (allocated and touched when
   the engine starts) is exercised end to end through a block table.
 Each level is timed into the ColdStartReport.
@@ -81,8 +82,9 @@ def run_warmup(runner: ModelRunner, pool: BlockPool, report: ColdStartReport, *,
             runner.model.compute_logits(runner.model(*_flat(runner, seqs, [1] * len(seqs))))
             for s in seqs:
                 pool.release(s.block_table)
-    with report.phase("graphs"):
-        runner.capture_graphs()
+    if not minimal:       # a cold start's first request is not kept waiting: captured when idle instead
+        with report.phase("graphs"):
+            runner.capture_graphs()
 
 
 def _flat(runner: ModelRunner, seqs: list[Sequence], num_new: list[int]):
