@@ -6,9 +6,9 @@ blocks or sleeps; ``step()`` does one batch and returns the token events it prod
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-import dataclasses
 import time
 from dataclasses import dataclass
 from itertools import count
