@@ -291,3 +291,21 @@ def test_a_minimal_warm_up_leaves_the_decode_graphs_to_idle_moments(tiny_model_d
     assert calls == (len(graphs.buckets) - 1 if cuda else 0) and len(graphs.graphs) == (len(graphs.buckets) if cuda else 0)
     out = eng.generate([[5, 6, 7]] * 3, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert all(len(o["token_ids"]) == 4 for o in out)
+
+
+def test_weights_go_to_the_device_through_two_reused_staging_buffers():
+    """Chunks smaller than a tensor, tensors smaller than a chunk, an empty one, a dtype converted on
+    the way: every tensor arrives whole; only the two staging buffers were ever allocated on the host."""
+    from sits.engine.loader import StagedUpload
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(n, generator=g).to(dtype) for n, dtype in
+               ((0, torch.float32), (1, torch.float32), (999, torch.bfloat16), (10_000, torch.float32), (257, torch.float16))]
+    up = StagedUpload(torch.device(DEVICE), chunk_bytes=1000)
+    got = [up.upload(t, torch.float32) for t in tensors] + [up.upload(tensors[3].view(100, 100), torch.bfloat16)]
+    up.finish()
+    for t, out in zip(tensors, got):
+        assert out.device.type == torch.device(DEVICE).type and torch.equal(out.cpu(), t.float())
+    assert got[-1].shape == (100, 100) and torch.equal(got[-1].cpu(), tensors[3].view(100, 100).bfloat16())
+    assert len(up.buffers) == 2 and all(b.numel() == 1000 for b in up.buffers)
+    assert up.bytes == sum(t.numel() * 4 for t in tensors) + 10_000 * 2

@@ -38,19 +38,21 @@ import sys, time
 t0 = time.time()
 from transformers import AutoModelForCausalLM, AutoTokenizer
 import torch
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32)
+device, dtype = sys.argv[3], getattr(torch, sys.argv[4])
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=dtype).to(device)
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
-ids = tok(sys.argv[2], return_tensors="pt").input_ids
+ids = tok(sys.argv[2], return_tensors="pt").input_ids.to(device)
 with torch.no_grad():
     out = model.generate(ids, max_new_tokens=1, do_sample=False)
 print(f"TOKEN {time.time():.6f} {out[0, -1].item()}", flush=True)
 """
 
 
-def naive_once(model_dir: str) -> float:
-    """Milliseconds from launching the process to its first generated token."""
+def naive_once(model_dir: str, device: str = "cpu", dtype: str = "float32") -> float:
+    """Milliseconds from launching the process to its first generated token (weights loaded to
+    ``device`` in ``dtype``)."""
     t0 = time.time()
-    r = subprocess.run([sys.executable, "-c", NAIVE, model_dir, PROMPT], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", NAIVE, model_dir, PROMPT, device, dtype], capture_output=True, text=True,
                        timeout=600, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"})
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("TOKEN ")), None)
     if line is None:
@@ -79,19 +81,27 @@ def first_token_ms(url: str, unit: str) -> float:
 
 def run_coldstart_bench(model_dir: str, *, repeats: int = 5, json_out: str | None = None,
                         docs_out: str | None = None, threads: int | None = None, skip_naive: bool = False,
-                        warmup: str = "all") -> dict:
+                        warmup: str = "all", device: str = "cpu", dtype: str = "float32") -> dict:
+    """``device``/``dtype``: the unit's and the naive baseline's (``auto`` for the unit means the
+    checkpoint's own dtype; the baseline then loads in float32 on a CPU, bfloat16 on a GPU)."""
     shown = model_dir
     model_dir = str(Path(model_dir).resolve())
     work = Path(tempfile.mkdtemp(prefix="sits-coldstart-"))
-    res = f"{{device: cpu, kv_cache_mb: 64, warmup: {warmup}{', threads: ' + str(threads) if threads else ''}}}"
+    res = (f"{{device: {device}, dtype: {dtype}, kv_cache_mb: 64, warmup: {warmup}"
+           f"{', threads: ' + str(threads) if threads else ''}}}")
+    naive_dtype = dtype if dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     (work / "sits.yaml").write_text(f"units:\n  - name: cold\n    model: {model_dir}\n"
                                     f"    scale: {{min_instances: 0, max_instances: 1, keep_alive_s: 3600}}\n"
                                     f"    resources: {res}\n")
-    result: dict = {"model": shown, "repeats": repeats, "host": f"{os.cpu_count()} CPU cores", "warmup": warmup}
+    host = f"{os.cpu_count()} CPU cores"
+    if device.startswith("cuda"):
+        import torch
+        host = f"{torch.cuda.get_device_name(device)}, {host}"
+    result: dict = {"model": shown, "repeats": repeats, "host": f"{host}; {device}, {dtype}", "warmup": warmup}
     naive: list[float] = []
     if not skip_naive:
         for i in range(repeats):
-            naive.append(naive_once(model_dir))
+            naive.append(naive_once(model_dir, device, naive_dtype))
             log(f"naive start {i + 1}/{repeats}: {naive[-1]:.0f} ms")
     import httpx
     proc, url = start_sits(["up", "--config", str(work / "sits.yaml"), "--data-dir", str(work / "data")])
@@ -145,7 +155,8 @@ def _markdown(r: dict, command: str) -> str:
 
 def _cli(args: argparse.Namespace) -> int:
     r = run_coldstart_bench(args.model, repeats=args.repeats, json_out=args.json, docs_out=args.write_docs,
-                            threads=args.threads, skip_naive=args.skip_naive, warmup=args.warmup)
+                            threads=args.threads, skip_naive=args.skip_naive, warmup=args.warmup,
+                            device=args.device, dtype=args.dtype)
     print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
                       if not k.endswith("_runs_ms")}, indent=2))
     return 0
@@ -158,3 +169,6 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                           repeats="starts measured per variant, median reported", repeats_default=5)
     p.add_argument("--warmup", default="all", choices=["all", "minimal", "false"], help="the unit's warm-up")
     p.add_argument("--skip-naive", action="store_true", help="SITS cold/warm only (no transformers baseline)")
+    p.add_argument("--device", default="cpu", help="the unit's device and the naive baseline's (cpu, cuda, cuda:N)")
+    p.add_argument("--dtype", default="float32", help="the unit's dtype and the baseline's (auto: the checkpoint's "
+                   "for the unit)")

@@ -1,4 +1,5 @@
-"""Weights from ``*.safetensors``: memory-mapped and zero-copy on CPU, staged through pinned memory on GPU.
+"""Weights from ``*.safetensors``: memory-mapped and zero-copy on CPU, staged through two reused pinned
+buffers on GPU (``StagedUpload``).
 
 The safetensors format is an 8-byte little-endian header length, a JSON header (name -> dtype, shape,
 byte offsets) and one flat byte buffer. Parsing it ourselves lets every tensor be a view into one
@@ -99,6 +100,47 @@ def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+class StagedUpload:
+    """Host tensors to a device through two reused pinned staging buffers, a chunk at a time: while
+    the device copies one chunk out of a buffer, the host fills the other (reading the mapped file,
+    converting the dtype on the way). ``Tensor.pin_memory()`` per tensor would page-lock a fresh
+    buffer the size of each weight, the whole checkpoint over; here ``2 × chunk_bytes`` are locked
+    once. Without CUDA the buffers are plain memory and the same chunked copy runs synchronously."""
+
+    def __init__(self, device: torch.device, chunk_bytes: int = 64 << 20):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.chunk_bytes = chunk_bytes
+        self.buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2)]
+        self.done: list[torch.cuda.Event | None] = [None, None]    # the device's last copy out of each buffer
+        self.turn = 0
+        self.bytes = 0
+
+    def upload(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``t`` as ``dtype`` on the device (the copy may still be in flight: ``finish()`` waits)."""
+        out = torch.empty(t.shape, dtype=dtype, device=self.device)
+        src, dst = t.reshape(-1), out.view(-1)
+        step = max(1, self.chunk_bytes // out.element_size())
+        for start in range(0, src.numel(), step):
+            n = min(step, src.numel() - start)
+            buf, event = self.buffers[self.turn], self.done[self.turn]
+            if event is not None:
+                event.synchronize()           # the device has read this buffer's previous chunk
+            staged = buf[:n * out.element_size()].view(dtype)
+            staged.copy_(src[start:start + n])
+            dst[start:start + n].copy_(staged, non_blocking=self.cuda)
+            if self.cuda:
+                self.done[self.turn] = torch.cuda.Event()
+                self.done[self.turn].record()
+            self.turn ^= 1
+        self.bytes += out.numel() * out.element_size()
+        return out
+
+    def finish(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+
 def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                max_positions: int) -> LlamaForCausalLM:
     """Build the module (uninitialised parameters: untouched pages, no random init) and assign the
@@ -116,12 +158,13 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
     if missing or unexpected:
         raise ModelLoadError(f"{model_dir}: weights do not match {cfg.architecture}: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-    pin = device.type == "cuda"
+    upload = StagedUpload(device) if device.type != "cpu" else None
     for name, t in state.items():
-        if t.dtype != dtype and t.is_floating_point():
-            t = t.to(dtype)
-        if pin:
-            t = t.pin_memory().to(device, non_blocking=True)
+        want = dtype if t.is_floating_point() else t.dtype
+        if upload is not None:
+            t = upload.upload(t, want)
+        elif t.dtype != want:
+            t = t.to(want)
         state[name] = t
     model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
@@ -129,8 +172,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
     model.model.rotary.to(device)
     for p in model.parameters():
         p.requires_grad_(False)
-    if pin:
-        torch.cuda.synchronize(device)
+    if upload is not None:
+        upload.finish()
     return model.eval()
 
 
