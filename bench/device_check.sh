@@ -9,7 +9,8 @@
 #                                 # host's transformers; `sits bench step` (reference vs paged kernels vs
 #                                 # + CUDA graphs, against HF generate) on the base preset (bf16), a
 #                                 # Llama-3.2-1B-shaped random checkpoint (bf16) and small (fp32);
-#                                 # `sits bench engine` bursty + prefix and `sits bench lora` on base
+#                                 # `sits bench coldstart --no-server` on the 1B shape; `sits bench engine`
+#                                 # bursty + prefix and `sits bench lora` on base
 #
 # `run` writes its logs, each benchmark's JSON and markdown, and all of them in device_check.json and
 # device_check.md, under $OUT (default bench/out/device). It installs nothing into the host's Python:
@@ -33,14 +34,16 @@ fetch)
     ;;
 run)
     OUT="${OUT:-bench/out/device}"
+    PY="${PYTHON:-python3}"              # the GPU image's python3 holds torch
+    DEV="${DEVICE_CHECK_DEVICE:-cuda}"   # cpu + DEVICE_CHECK_QUICK=1: a dry run of this script (tests/test_device_check.py)
     mkdir -p "$OUT"
     export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
     if compgen -G ".whl/*.whl" >/dev/null; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
         export PYTHONPATH="/tmp/site:$PWD"
     fi
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
-      python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'; } \
+      "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'; } \
         2>&1 | tee "$OUT/host.txt"
     status=0
     # everything within DEVICE_CHECK_SECONDS (default 500: the device's per-command limit is 600); a
@@ -49,36 +52,47 @@ run)
     left() { echo $((deadline - SECONDS - 15)); }
     # 1. correctness on the device: the CUDA tests (paged kernels, decode graphs, sampling on the device)
     #    and the CPU parity tests against this host's transformers
-    timeout 180 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py tests/test_model_parity.py \
-        2>&1 | tee "$OUT/tests.log" || status=1
-    # 2. models: the presets, and a random checkpoint shaped like Llama-3.2-1B (weights drawn on the GPU)
-    python3 - <<'PY'
+    SITS_TEST_DEVICE="$DEV" timeout 180 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py \
+        tests/test_model_parity.py 2>&1 | tee "$OUT/tests.log" || status=1
+    # 2. models: the presets, and a random checkpoint shaped like Llama-3.2-1B (weights drawn on the GPU);
+    #    a dry run uses the tiny preset for all three
+    if [ -n "${DEVICE_CHECK_QUICK:-}" ]; then
+        SMALL=/tmp/sits-check-tiny BASE=/tmp/sits-check-tiny L1B=/tmp/sits-check-tiny
+        "$PY" -c 'from sits.modelbuild.tiny import build_tiny_model as b; b("/tmp/sits-check-tiny", overwrite=True, progress=None)'
+    else
+        SMALL=/tmp/sits-small BASE=/tmp/sits-base L1B=/tmp/sits-llama1b
+        "$PY" - <<'PY'
 from sits.modelbuild.tiny import build_tiny_model
 for preset in ("small", "base"):
     build_tiny_model(f"/tmp/sits-{preset}", preset=preset, seed=0, progress=None, overwrite=True)
 PY
-    python3 -m sits.cli model build-shaped /tmp/sits-llama1b --shape llama-3.2-1b --device cuda
+        "$PY" -m sits.cli model build-shaped "$L1B" --shape llama-3.2-1b --device "$DEV"
+    fi
     bench() {
-        local name=$1 limit=$2; shift 2
+        local name=$1 limit=$(($2 * ${DEVICE_CHECK_CAP_SCALE:-1})); shift 2   # a CPU dry run scales the caps
         local t; t=$(left); [ "$t" -lt "$limit" ] || t=$limit
         if [ "$t" -lt 60 ]; then echo "$name: skipped, ${t}s left" | tee -a "$OUT/skipped.txt"; return; fi
-        timeout "$t" python3 -m sits.cli bench "$@" --json "$OUT/$name.json" --write-docs "$OUT/$name.md" \
+        timeout "$t" "$PY" -m sits.cli bench "$@" --json "$OUT/$name.json" --write-docs "$OUT/$name.md" \
             2>&1 | tee "$OUT/$name.log" || status=1
     }
     # 3. the decode step per attention path (reference, paged, paged+graphs) against HF generate
-    bench step_base_bf16 100 step --model /tmp/sits-base --device cuda --dtype bfloat16 --batch-sizes 1,32 --repeats 2
-    bench step_llama1b_bf16 100 step --model /tmp/sits-llama1b --device cuda --dtype bfloat16 --batch-sizes 1,32 \
+    bench step_base_bf16 100 step --model "$BASE" --device "$DEV" --dtype bfloat16 --batch-sizes 1,32 --repeats 2
+    bench step_llama1b_bf16 100 step --model "$L1B" --device "$DEV" --dtype bfloat16 --batch-sizes 1,32 \
         --repeats 1 --steps 48
-    # 4. bursty PF-SD vs FCFS and the prefix cache, with the GPU's 2048-token step budget
-    bench engine_base_bf16 110 engine --model /tmp/sits-base --device cuda --dtype bfloat16 --only bursty \
-        --only prefix --repeats 1
-    # 5. 8 LoRA adapters mixed in one batch vs one adapter vs one after another
-    bench lora_base_bf16 70 lora --model /tmp/sits-base --device cuda --dtype bfloat16 --requests 64 --repeats 2
-    # 6. fp32 on the small preset (the issue's first figures were fp32)
-    bench step_small_fp32 60 step --model /tmp/sits-small --device cuda --dtype float32 --batch-sizes 1,32 \
+    # 4. zero instances -> first token for the 1B shape: an engine forked as the zygote forks one
+    #    (the HTTP stack's packages are not on the GPU image), against a fresh transformers process
+    bench coldstart_llama1b_bf16 100 coldstart --model "$L1B" --device "$DEV" --dtype bfloat16 --no-server \
+        --warmup false --repeats 2
+    # 5. bursty PF-SD vs FCFS and the prefix cache, with the GPU's 2048-token step budget
+    bench engine_base_bf16 110 engine --model "$BASE" --device "$DEV" --dtype bfloat16 --only bursty \
+        --only prefix --repeats 1 ${DEVICE_CHECK_QUICK:+--quick}
+    # 6. 8 LoRA adapters mixed in one batch vs one adapter vs one after another
+    bench lora_base_bf16 70 lora --model "$BASE" --device "$DEV" --dtype bfloat16 --requests 64 --repeats 2
+    # 7. fp32 on the small preset (the issue's first figures were fp32)
+    bench step_small_fp32 60 step --model "$SMALL" --device "$DEV" --dtype float32 --batch-sizes 1,32 \
         --repeats 1
     # one JSON and one markdown for everything
-    python3 - "$OUT" <<'PY'
+    "$PY" - "$OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 parts = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json")) if p.stem != "device_check"}
@@ -87,7 +101,8 @@ host = (out / "host.txt").read_text() if (out / "host.txt").exists() else ""
 skipped = (out / "skipped.txt").read_text().strip() if (out / "skipped.txt").exists() else ""
 md = ["# Device check\n\n```\n" + host.strip() + "\n```" + (f"\n\nSkipped (out of time):\n\n```\n{skipped}\n```"
                                                              if skipped else "")]
-md += [(out / f"{name}.md").read_text().strip() for name in parts if (out / f"{name}.md").exists()]
+header = "# Benchmarks\n\nEvery figure is a ratio against a baseline measured in the same run."
+md += [(out / f"{name}.md").read_text().replace(header, "").strip() for name in parts if (out / f"{name}.md").exists()]
 (out / "device_check.md").write_text("\n\n".join(md))
 PY
     exit "$status"

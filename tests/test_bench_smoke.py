@@ -214,3 +214,20 @@ def test_shaped_models_have_the_real_parameter_counts_and_load(tmp_path, monkeyp
     assert eng.model_config.torch_dtype == "bfloat16" and eng.model_config.rope_scaling["rope_type"] == "llama3"
     out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
     assert len(out["token_ids"]) == 4 and max(out["token_ids"]) < 6000
+
+
+def test_coldstart_bench_without_a_server_forks_the_engine(tiny_model_dir, tmp_path):
+    """`--no-server` (a GPU host without the HTTP stack): cold = an engine forked from the benchmark's
+    process to its first token, warm = the same engine's next request; run as a command (a fork from
+    this test process, which has run torch's thread pools, would not be safe)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "cold.json"
+    subprocess.run([sys.executable, "-m", "sits.cli", "bench", "coldstart", "--model", tiny_model_dir, "--no-server",
+                    "--skip-naive", "--repeats", "2", "--warmup", "minimal", "--json", str(out)],
+                   check=True, capture_output=True, timeout=240)
+    data = json.loads(out.read_text())
+    assert len(data["sits_cold_runs_ms"]) == 2 and data["sits_cold_ms"] > data["sits_warm_ms"] > 0
+    assert {"weights", "kv_allocation", "warmup_operator", "first_token"} <= set(data["phases_ms"])
+    assert "no server" in data["host"]

@@ -7,6 +7,11 @@ function does, in the same run, same model and prompt.
   up), timed from sending it to its first streamed token; the unit is scaled back to zero after.
 - ``sits_warm``: the same request to a READY instance.
 
+With ``--no-server`` (a GPU host without the HTTP server's packages) the cold path is the engine's
+alone: a child forked from the benchmark's process, which has imported torch and the engine but
+created no CUDA context (as the zygote has), builds the engine with a minimal warm-up and generates
+one token; timed from the fork to that token. Warm is the same child's next one-token request.
+
 Medians of ``--repeats`` starts each (≥ 5 by default), the phase breakdown of the SITS cold starts
 (fork, weights, tokenizer, KV allocation, warm-up), and a markdown section with the command.
 """
@@ -60,6 +65,45 @@ def naive_once(model_dir: str, device: str = "cpu", dtype: str = "float32") -> f
     return (float(line.split()[1]) - t0) * 1e3
 
 
+def forked_engine_once(model_dir: str, device: str, dtype: str, warmup: str) -> dict:
+    """A child forked from this process starts an engine and generates one token, then another on the
+    same engine: both times (ms from the fork and for the second request) and the cold-start phases."""
+    from sits.engine.config import EngineConfig
+    from sits.engine.llm_engine import LLMEngine
+    from sits.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    read_end, write_end = os.pipe()
+    t0 = time.monotonic()
+    pid = os.fork()
+    if pid == 0:                                      # the instance
+        status = 1
+        try:
+            os.close(read_end)
+            # warm-up "false" is what a unit's start does with a request waiting: none, and the KV
+            # pool faulted in (and the decode graphs captured) when idle
+            engine = LLMEngine(EngineConfig(model=model_dir, device=device, dtype=dtype, kv_cache_memory_mb=256,
+                                            warmup=warmup != "false", warmup_shapes="minimal" if warmup == "minimal"
+                                            else "all", kv_touch="background" if warmup == "false" else "eager"))
+            engine.generate([PROMPT], params)
+            cold_ms = (time.monotonic() - t0) * 1e3
+            t1 = time.monotonic()
+            engine.generate([PROMPT + " it"], params)
+            warm_ms = (time.monotonic() - t1) * 1e3
+            os.write(write_end, json.dumps({"cold_ms": cold_ms, "warm_ms": warm_ms,
+                                            "phases_ms": engine.report.phases_ms}).encode())
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as r:
+        data = r.read()
+    _, status = os.waitpid(pid, 0)
+    if status != 0 or not data:
+        raise RuntimeError(f"the forked engine failed (wait status {status})")
+    return json.loads(data)
+
+
 _CLIENT: httpx.Client | None = None
 
 
@@ -81,7 +125,8 @@ def first_token_ms(url: str, unit: str) -> float:
 
 def run_coldstart_bench(model_dir: str, *, repeats: int = 5, json_out: str | None = None,
                         docs_out: str | None = None, threads: int | None = None, skip_naive: bool = False,
-                        warmup: str = "all", device: str = "cpu", dtype: str = "float32") -> dict:
+                        warmup: str = "all", device: str = "cpu", dtype: str = "float32",
+                        server: bool = True) -> dict:
     """``device``/``dtype``: the unit's and the naive baseline's (``auto`` for the unit means the
     checkpoint's own dtype; the baseline then loads in float32 on a CPU, bfloat16 on a GPU)."""
     shown = model_dir
@@ -103,11 +148,20 @@ def run_coldstart_bench(model_dir: str, *, repeats: int = 5, json_out: str | Non
         for i in range(repeats):
             naive.append(naive_once(model_dir, device, naive_dtype))
             log(f"naive start {i + 1}/{repeats}: {naive[-1]:.0f} ms")
-    import httpx
-    proc, url = start_sits(["up", "--config", str(work / "sits.yaml"), "--data-dir", str(work / "data")])
     cold: list[float] = []
     warm: list[float] = []
     phases: list[dict] = []
+    if not server:
+        result["host"] += "; engine forked from the benchmark's process, no server"
+        for i in range(repeats):
+            run = forked_engine_once(model_dir, device, dtype, warmup)
+            cold.append(run["cold_ms"])
+            warm.append(run["warm_ms"])
+            phases.append(run["phases_ms"])
+            log(f"forked engine {i + 1}/{repeats}: cold {cold[-1]:.0f} ms, warm {warm[-1]:.1f} ms; {phases[-1]}")
+        return _publish(result, naive, cold, warm, phases, json_out, docs_out)
+    import httpx
+    proc, url = start_sits(["up", "--config", str(work / "sits.yaml"), "--data-dir", str(work / "data")])
     try:
         wait_until(lambda: any(e["event"] == "zygote_ready" for e in httpx.get(url + "/v1/status").json()["events"]),
               120, "the zygote")
@@ -122,6 +176,11 @@ def run_coldstart_bench(model_dir: str, *, repeats: int = 5, json_out: str | Non
             httpx.post(url + "/v1/units/cold/scale", json={"instances": 0}).raise_for_status()
     finally:
         stop_sits(proc)
+    return _publish(result, naive, cold, warm, phases, json_out, docs_out)
+
+
+def _publish(result: dict, naive: list[float], cold: list[float], warm: list[float], phases: list[dict],
+             json_out: str | None, docs_out: str | None) -> dict:
     med_phases = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
     result.update({
         "naive_ms": statistics.median(naive) if naive else None, "sits_cold_ms": statistics.median(cold),
@@ -136,15 +195,18 @@ def _markdown(r: dict, command: str) -> str:
     def f(v, spec=".0f"):
         return "-" if v is None else format(v, spec)
 
+    forked = "no server" in r["host"]
+    cold_path = "an engine forked from a process holding torch" if forked else "unit at zero instances, zygote up"
+    warm_path = "the same engine, next request" if forked else "READY instance"
     lines = [DOC_BEGIN, "## Cold start (`sits bench coldstart`)", "", f"Command: `{command}`  ",
              f"Host: {r['host']}; model `{r['model']}`; unit warm-up `{r['warmup']}`; medians of {r['repeats']} starts "
              "each; one streamed token.", "",
              "| path | first token, median ms | runs |", "|---|---|---|",
              f"| naive (fresh python: import transformers, from_pretrained, tokenizer, generate) | "
              f"{f(r['naive_ms'])} | {', '.join(f(x) for x in r['naive_runs_ms'])} |",
-             f"| sits_cold (unit at zero instances, zygote up) | {f(r['sits_cold_ms'])} | "
+             f"| sits_cold ({cold_path}) | {f(r['sits_cold_ms'])} | "
              f"{', '.join(f(x) for x in r['sits_cold_runs_ms'])} |",
-             f"| sits_warm (READY instance) | {f(r['sits_warm_ms'], '.1f')} | "
+             f"| sits_warm ({warm_path}) | {f(r['sits_warm_ms'], '.1f')} | "
              f"{', '.join(f(x, '.1f') for x in r['sits_warm_runs_ms'])} |", "",
              f"ratio_cold_vs_naive **{f(r['ratio_cold_vs_naive'], '.3f')}** (target ≤ 0.05); "
              f"sits_cold / sits_warm **{f(r['ratio_cold_vs_warm'], '.1f')}** (target ≤ 3).", "",
@@ -156,7 +218,7 @@ def _markdown(r: dict, command: str) -> str:
 def _cli(args: argparse.Namespace) -> int:
     r = run_coldstart_bench(args.model, repeats=args.repeats, json_out=args.json, docs_out=args.write_docs,
                             threads=args.threads, skip_naive=args.skip_naive, warmup=args.warmup,
-                            device=args.device, dtype=args.dtype)
+                            device=args.device, dtype=args.dtype, server=not args.no_server)
     print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
                       if not k.endswith("_runs_ms")}, indent=2))
     return 0
@@ -170,5 +232,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", default="all", choices=["all", "minimal", "false"], help="the unit's warm-up")
     p.add_argument("--skip-naive", action="store_true", help="SITS cold/warm only (no transformers baseline)")
     p.add_argument("--device", default="cpu", help="the unit's device and the naive baseline's (cpu, cuda, cuda:N)")
+    p.add_argument("--no-server", action="store_true",
+                   help="cold = an engine forked from this process (as the zygote forks instances), no HTTP server")
     p.add_argument("--dtype", default="float32", help="the unit's dtype and the baseline's (auto: the checkpoint's "
                    "for the unit)")

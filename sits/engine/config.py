@@ -173,6 +173,10 @@ def _auto_dtype(device: torch.device, stored: torch.dtype) -> torch.dtype:
     if device.type == "cuda":
         if stored == torch.float16:
             return torch.float16
+        if not torch.cuda.is_initialized():
+            # a planner (the gateway, the zygote) must not create a CUDA context to ask: bf16 and the
+            # fp16 a pre-Ampere GPU would get instead are both 2 bytes, so the plan is the same
+            return torch.bfloat16
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if stored in (torch.bfloat16, torch.float16) and cpu_computes_bf16():
         return torch.bfloat16

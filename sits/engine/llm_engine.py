@@ -110,7 +110,9 @@ class LLMEngine:
             cfg = dataclasses.replace(cfg, max_num_batched_tokens=default_step_budget(self.device))
         self.cfg = cfg
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)      # Triton launches on the current device
+            with self.report.phase("cuda_init"):    # the context, created now rather than by the first copy
+                torch.cuda.set_device(self.device)  # (and Triton launches on the current device)
+                torch.empty(1, device=self.device)
         self.threads = cfg.threads or os.cpu_count() or 1
         if self.device.type == "cpu":
             torch.set_num_threads(self.threads)
