@@ -146,7 +146,9 @@ def test_up_iu_and_status_drive_a_running_gateway(tiny_model_dir, tmp_path):
         assert re.search(r"cpu quota: (cgroup-v1|cgroup-v2|threads) 1\.5 cpu", r.stdout), r.stdout
         sla_rows = [ln.split() for ln in r.stdout.splitlines() if ln.startswith(("SLA", "main", "extra"))][-3:]
         assert sla_rows[0][:3] == ["SLA", "ttft", "slo"] and sla_rows[1][0] == "main" and "CLOSED" in sla_rows[1]
-        assert json.loads(_sits("status", "--json", *cli).stdout)["units"][0]["name"] == "main"
+        units = json.loads(_sits("status", "--json", *cli).stdout)["units"]
+        assert units[0]["name"] == "main"
+        assert all(u["device_memory_mb"] is None for u in units) and "device memory" not in r.stdout   # CPU units
         r = _sits("iu", "delete", "extra", *cli)
         assert r.returncode == 0
         r = _sits("iu", "delete", "extra", *cli)

@@ -126,6 +126,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                   for i in u["instances"] if i.get("cpu_quota")}
         if quotas:
             print("    cpu quota: " + ", ".join(sorted(quotas)))
+        if u.get("device_memory_mb") is not None:
+            print(f"    device memory: {u['device_memory_mb']:.0f} MiB held by its instances")
         if (f := u.get("start_failure")):
             print(f"    FAILING TO START ({f['failures_in_a_row']} in a row, next try in {f['retry_in_s']:.1f}s): "
                   f"{f['error']}")

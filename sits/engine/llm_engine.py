@@ -410,7 +410,8 @@ class LLMEngine:
         return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running), 1.0 - free / p.num_blocks,
                            p.num_blocks, free, q, p.prefix_hits, p.prefix_hits / q if q else 0.0,
                            self.scheduler.num_preemptions, self.num_steps, self.cfg.policy, self.report.to_dict(),
-                           self._gpu_util())
+                           self._gpu_util(),
+                           torch.cuda.memory_reserved(self.device) / 2**20 if self.device.type == "cuda" else None)
 
     def _gpu_util(self) -> float | None:
         if self.device.type != "cuda":

@@ -193,6 +193,7 @@ class EngineStats:
     policy: str
     cold_start: dict = field(default_factory=dict)
     gpu_util: float | None = None          # the device's utilisation (0..1) where a GPU exists and NVML answers
+    device_memory_mb: float | None = None  # device memory this engine holds (CUDA's caching allocator); None on a CPU
 
     def to_dict(self) -> dict:
         return asdict(self)

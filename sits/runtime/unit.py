@@ -307,6 +307,12 @@ class UnitBackend(FallbackGuard):
         if shares:
             tenancy.record_instance(self.name, inst.id, shares, self.spec.pricing.per_gb_hour)
 
+    def _device_memory_mb(self) -> float | None:
+        """Device memory the ready instances hold (from their last stats); None without a GPU."""
+        held = [s.device_memory_mb for s in (i.backend.stats() for i in self.pool.ready())
+                if s.device_memory_mb is not None]
+        return round(sum(held), 1) if held else None
+
     def view(self) -> dict:
         d = self.last_decision
         m = self.window.snapshot(queue_depth=self.dispatcher.waiting, inflight=self.dispatcher.inflight)
@@ -323,6 +329,7 @@ class UnitBackend(FallbackGuard):
             "cold_start": self.pool.last_cold_start(),
             "memory_mb": None if getattr(self.host, "ledger", None) is None else
             round(self.host.ledger.by_unit().get(self.name, 0) / 2**20, 1),
+            "device_memory_mb": self._device_memory_mb(),
             "memory": None if self.spec.memory is None else {**self.spec.memory.model_dump(), "ingested": self.ingested},
             "sla": self.breaker.view() | {"fallback": self.spec.fallback, "fallbacks": self.fallbacks},
             "faults": self.faults.view() if self.faults.spec.inject else None,
