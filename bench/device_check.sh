@@ -56,18 +56,23 @@ run)
         tests/test_model_parity.py 2>&1 | tee "$OUT/tests.log" || status=1
     # 2. models: the presets, and a random checkpoint shaped like Llama-3.2-1B (weights drawn on the GPU);
     #    a dry run uses the tiny preset for all three
+    build_models() {      # a failure is recorded, and the benchmarks that need the model fail on their own
+        if [ -n "${DEVICE_CHECK_QUICK:-}" ]; then
+            "$PY" -c 'from sits.modelbuild.tiny import build_tiny_model as b; b("'"$BASE"'", overwrite=True, progress=None)' \
+                || return 1
+        else
+            "$PY" -c 'from sits.modelbuild.tiny import build_tiny_model as b
+for preset in ("small", "base"): b(f"/tmp/sits-{preset}", preset=preset, seed=0, progress=None, overwrite=True)' \
+                || return 1
+            "$PY" -m sits.cli model build-shaped "$L1B" --shape llama-3.2-1b --device "$DEV" || return 1
+        fi
+    }
     if [ -n "${DEVICE_CHECK_QUICK:-}" ]; then
         SMALL=/tmp/sits-check-tiny BASE=/tmp/sits-check-tiny L1B=/tmp/sits-check-tiny
-        "$PY" -c 'from sits.modelbuild.tiny import build_tiny_model as b; b("/tmp/sits-check-tiny", overwrite=True, progress=None)'
     else
         SMALL=/tmp/sits-small BASE=/tmp/sits-base L1B=/tmp/sits-llama1b
-        "$PY" - <<'PY'
-from sits.modelbuild.tiny import build_tiny_model
-for preset in ("small", "base"):
-    build_tiny_model(f"/tmp/sits-{preset}", preset=preset, seed=0, progress=None, overwrite=True)
-PY
-        "$PY" -m sits.cli model build-shaped "$L1B" --shape llama-3.2-1b --device "$DEV"
     fi
+    build_models 2>&1 | tee "$OUT/models.log" || status=1
     bench() {
         local name=$1 limit=$(($2 * ${DEVICE_CHECK_CAP_SCALE:-1})); shift 2   # a CPU dry run scales the caps
         local t; t=$(left); [ "$t" -lt "$limit" ] || t=$limit

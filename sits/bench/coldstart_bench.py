@@ -21,11 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,9 +67,10 @@ def naive_once(model_dir: str, device: str = "cpu", dtype: str = "float32") -> f
     return (float(line.split()[1]) - t0) * 1e3
 
 
-def forked_engine_once(model_dir: str, device: str, dtype: str, warmup: str) -> dict:
+def forked_engine_once(model_dir: str, device: str, dtype: str, warmup: str, threads: int | None = None) -> dict:
     """A child forked from this process starts an engine and generates one token, then another on the
-    same engine: both times (ms from the fork and for the second request) and the cold-start phases."""
+    same engine: both times (ms from the fork and for the second request), the cold-start phases and
+    the device's name. This process must never create a CUDA context (a fork could not use CUDA)."""
     from sits.engine.config import EngineConfig
     from sits.engine.llm_engine import LLMEngine
     from sits.engine.sampling_params import SamplingParams
@@ -82,17 +85,23 @@ def forked_engine_once(model_dir: str, device: str, dtype: str, warmup: str) -> 
             os.close(read_end)
             # warm-up "false" is what a unit's start does with a request waiting: none, and the KV
             # pool faulted in (and the decode graphs captured) when idle
-            engine = LLMEngine(EngineConfig(model=model_dir, device=device, dtype=dtype, kv_cache_memory_mb=256,
-                                            warmup=warmup != "false", warmup_shapes="minimal" if warmup == "minimal"
-                                            else "all", kv_touch="background" if warmup == "false" else "eager"))
+            engine = LLMEngine(EngineConfig(model=model_dir, device=device, dtype=dtype, kv_cache_memory_mb=64,
+                                            threads=threads, warmup=warmup != "false",
+                                            warmup_shapes="minimal" if warmup == "minimal" else "all",
+                                            kv_touch="background" if warmup == "false" else "eager"))
             engine.generate([PROMPT], params)
             cold_ms = (time.monotonic() - t0) * 1e3
             t1 = time.monotonic()
             engine.generate([PROMPT + " it"], params)
             warm_ms = (time.monotonic() - t1) * 1e3
-            os.write(write_end, json.dumps({"cold_ms": cold_ms, "warm_ms": warm_ms,
+            import torch
+            name = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu"
+            os.write(write_end, json.dumps({"cold_ms": cold_ms, "warm_ms": warm_ms, "device_name": name,
                                             "phases_ms": engine.report.phases_ms}).encode())
             status = 0
+        except BaseException:            # os._exit below skips Python's own report of it
+            traceback.print_exc()
+            sys.stderr.flush()
         finally:
             os._exit(status)
     os.close(write_end)
@@ -125,7 +134,7 @@ def first_token_ms(url: str, unit: str) -> float:
 
 def run_coldstart_bench(model_dir: str, *, repeats: int = 5, json_out: str | None = None,
                         docs_out: str | None = None, threads: int | None = None, skip_naive: bool = False,
-                        warmup: str = "all", device: str = "cpu", dtype: str = "float32",
+                        warmup: str = "all", device: str = "cpu", dtype: str = "auto",
                         server: bool = True) -> dict:
     """``device``/``dtype``: the unit's and the naive baseline's (``auto`` for the unit means the
     checkpoint's own dtype; the baseline then loads in float32 on a CPU, bfloat16 on a GPU)."""
@@ -138,11 +147,9 @@ def run_coldstart_bench(model_dir: str, *, repeats: int = 5, json_out: str | Non
     (work / "sits.yaml").write_text(f"units:\n  - name: cold\n    model: {model_dir}\n"
                                     f"    scale: {{min_instances: 0, max_instances: 1, keep_alive_s: 3600}}\n"
                                     f"    resources: {res}\n")
-    host = f"{os.cpu_count()} CPU cores"
-    if device.startswith("cuda"):
-        import torch
-        host = f"{torch.cuda.get_device_name(device)}, {host}"
-    result: dict = {"model": shown, "repeats": repeats, "host": f"{host}; {device}, {dtype}", "warmup": warmup}
+    # the GPU's name comes from the instances: this process creates no CUDA context (forks could not use one)
+    result: dict = {"model": shown, "repeats": repeats, "host": f"{os.cpu_count()} CPU cores; {device}, {dtype}",
+                    "warmup": warmup}
     naive: list[float] = []
     if not skip_naive:
         for i in range(repeats):
@@ -154,11 +161,14 @@ def run_coldstart_bench(model_dir: str, *, repeats: int = 5, json_out: str | Non
     if not server:
         result["host"] += "; engine forked from the benchmark's process, no server"
         for i in range(repeats):
-            run = forked_engine_once(model_dir, device, dtype, warmup)
+            run = forked_engine_once(model_dir, device, dtype, warmup, threads)
+            if i == 0 and run["device_name"] != "cpu":
+                result["host"] = f"{run['device_name']}, {result['host']}"
             cold.append(run["cold_ms"])
             warm.append(run["warm_ms"])
             phases.append(run["phases_ms"])
             log(f"forked engine {i + 1}/{repeats}: cold {cold[-1]:.0f} ms, warm {warm[-1]:.1f} ms; {phases[-1]}")
+        shutil.rmtree(work, ignore_errors=True)
         return _publish(result, naive, cold, warm, phases, json_out, docs_out)
     import httpx
     proc, url = start_sits(["up", "--config", str(work / "sits.yaml"), "--data-dir", str(work / "data")])
@@ -176,6 +186,7 @@ def run_coldstart_bench(model_dir: str, *, repeats: int = 5, json_out: str | Non
             httpx.post(url + "/v1/units/cold/scale", json={"instances": 0}).raise_for_status()
     finally:
         stop_sits(proc)
+        shutil.rmtree(work, ignore_errors=True)
     return _publish(result, naive, cold, warm, phases, json_out, docs_out)
 
 
@@ -234,5 +245,5 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="the unit's device and the naive baseline's (cpu, cuda, cuda:N)")
     p.add_argument("--no-server", action="store_true",
                    help="cold = an engine forked from this process (as the zygote forks instances), no HTTP server")
-    p.add_argument("--dtype", default="float32", help="the unit's dtype and the baseline's (auto: the checkpoint's "
-                   "for the unit)")
+    p.add_argument("--dtype", default="auto", help="the unit's dtype and the baseline's (auto: the checkpoint's for "
+                   "the unit; the baseline then loads float32 on a CPU, bfloat16 on a GPU)")

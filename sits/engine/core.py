@@ -42,8 +42,11 @@ class EngineCore:
 
     @property
     def busy(self) -> bool:
-        """Work to do without waiting for input: requests to step, or a KV pool still to fault in."""
-        return self.engine.has_unfinished or not self.engine.kv_cache.fully_touched
+        """Work to do without waiting for input: requests to step, a KV pool still to fault in, or
+        decode graphs still to capture."""
+        graphs = self.engine.runner.graphs
+        return (self.engine.has_unfinished or not self.engine.kv_cache.fully_touched
+                or (graphs is not None and graphs.pending))
 
     def handle(self, msg: EngineInput) -> list[EngineOutput]:
         """Apply one input; what it answers at once (an error, embeddings, a pong)."""

@@ -46,6 +46,7 @@ class DecodeGraphs:
                                   device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
+        self.failed: str | None = None      # a capture that failed: the rest then run eagerly
 
     @property
     def max_batch(self) -> int:
@@ -64,7 +65,7 @@ class DecodeGraphs:
     @property
     def pending(self) -> bool:
         """Buckets still to capture (only on CUDA: elsewhere there is nothing to capture)."""
-        return self.device.type == "cuda" and len(self.graphs) < len(self.buckets)
+        return self.device.type == "cuda" and self.failed is None and len(self.graphs) < len(self.buckets)
 
     @torch.inference_mode()
     def capture(self, max_graphs: int | None = None) -> int:
@@ -73,6 +74,10 @@ class DecodeGraphs:
         (padding everywhere: nothing is stored in or read from the KV cache). Returns how many."""
         if not self.pending:
             return 0
+        with torch.cuda.device(self.device):    # the calling thread's current device may be another
+            return self._capture(max_graphs)
+
+    def _capture(self, max_graphs: int | None) -> int:
         self._fill([], [], [], [], [])
         todo = [b for b in reversed(self.buckets) if b not in self.graphs][:max_graphs]
         for bucket in todo:

@@ -302,8 +302,13 @@ class LLMEngine:
             self.kv_cache.touch_some()
             phase = "kv_touch_background"
         else:
-            graphs.capture(max_graphs=1)
             phase = "graphs_background"
+            try:
+                graphs.capture(max_graphs=1)
+            except Exception as e:  # noqa: BLE001 - a serving engine keeps serving, eagerly, without the rest
+                graphs.failed = f"{type(e).__name__}: {e}"
+                log.warning("capturing decode graphs failed; decode steps of the remaining batch sizes run "
+                            "eagerly: %s", graphs.failed)
         self.report.phases_ms[phase] = self.report.phases_ms.get(phase, 0.0) + (time.perf_counter() - t0) * 1e3
         return not self.kv_cache.fully_touched or (graphs is not None and graphs.pending)
 

@@ -108,6 +108,7 @@ class StagedUpload:
     once. Without CUDA the buffers are plain memory and the same chunked copy runs synchronously."""
 
     def __init__(self, device: torch.device, chunk_bytes: int = 64 << 20):
+        """``chunk_bytes``: each buffer's size (a checkpoint whose largest weight is smaller needs no more)."""
         self.device = device
         self.cuda = device.type == "cuda"
         self.chunk_bytes = chunk_bytes
@@ -118,6 +119,12 @@ class StagedUpload:
 
     def upload(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``t`` as ``dtype`` on the device (the copy may still be in flight: ``finish()`` waits)."""
+        if self.cuda:
+            with torch.cuda.device(self.device):      # the events must be on the copies' stream
+                return self._upload(t, dtype)
+        return self._upload(t, dtype)
+
+    def _upload(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(t.shape, dtype=dtype, device=self.device)
         src, dst = t.reshape(-1), out.view(-1)
         step = max(1, self.chunk_bytes // out.element_size())
@@ -158,7 +165,10 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
     if missing or unexpected:
         raise ModelLoadError(f"{model_dir}: weights do not match {cfg.architecture}: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-    upload = StagedUpload(device) if device.type != "cpu" else None
+    upload = None
+    if device.type != "cpu":      # buffers no larger than the largest weight needs
+        largest = max((t.numel() for t in state.values()), default=1) * torch.empty((), dtype=dtype).element_size()
+        upload = StagedUpload(device, chunk_bytes=min(64 << 20, max(largest, 16)))
     for name, t in state.items():
         want = dtype if t.is_floating_point() else t.dtype
         if upload is not None:
