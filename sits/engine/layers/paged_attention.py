@@ -156,7 +156,7 @@ def _build() -> dict[str, object]:
             tl.store(out_ptr + (q_begin + q_pos)[:, None] * o_stride_t + head[:, None] * o_stride_h + dims[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
-    _kernels.update(store_kv=store_kv_kernel, attention=attention_kernel, next_pow2=triton.next_power_of_2,
+    _kernels.update(store_kv=store_kv_kernel, attention=attention_kernel,
                     interpreted=interpreting())      # decided when the kernels are defined, as Triton does
     return _kernels
 
@@ -171,7 +171,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     width = heads * dim
     if tokens:
         kernels["store_kv"][(tokens,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-                                       WIDTH=width, WIDTH_PAD=kernels["next_pow2"](width))
+                                       WIDTH=width, WIDTH_PAD=_pow2(width))
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (Triton's block shapes)."""
+    return 1 << (n - 1).bit_length()
 
 
 def attention_constants(dtype: torch.dtype, heads: int, kv_heads: int, dim: int, block_size: int, max_query_len: int,
@@ -179,13 +184,10 @@ def attention_constants(dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
     """The attention kernel's compile-time constants for a step of this shape: 16 query rows per
     program for decodes (the smallest ``tl.dot``), 64 for prefills; tiles of 64 keys (32 past
     head_dim 128), which may span several KV blocks."""
-    def pow2(n: int) -> int:
-        return 1 << (n - 1).bit_length()
-
     group = heads // kv_heads
-    block_m = max(16 if max_query_len <= 1 else 64, pow2(group))
+    block_m = max(16 if max_query_len <= 1 else 64, _pow2(group))
     return dict(GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, HEAD_DIM=dim,
-                HEAD_DIM_PAD=max(16, pow2(dim)), BLOCK_SIZE=block_size,
+                HEAD_DIM_PAD=max(16, _pow2(dim)), BLOCK_SIZE=block_size,
                 TILE=64 if dim <= 128 else 32, WINDOW=window or 0, UPCAST=interpreted and dtype != torch.float32,
                 IEEE=dtype == torch.float32)
 
