@@ -231,3 +231,21 @@ def test_coldstart_bench_without_a_server_forks_the_engine(tiny_model_dir, tmp_p
     assert len(data["sits_cold_runs_ms"]) == 2 and data["sits_cold_ms"] > data["sits_warm_ms"] > 0
     assert {"weights", "kv_allocation", "warmup_operator", "first_token"} <= set(data["phases_ms"])
     assert "no server" in data["host"]
+
+
+def test_standby_bench_times_forked_and_standby_starts_alternating(tiny_model_dir, tmp_path):
+    """`sits bench standby`: starts from a real zygote, one forked and one handed to a standby per
+    round (the benchmark checks each start took the path it names), with a table and a plot."""
+    import subprocess
+    import sys
+
+    out, docs = tmp_path / "standby.json", tmp_path / "benchmarks.md"
+    subprocess.run([sys.executable, "-m", "sits.cli", "bench", "standby", "--model", tiny_model_dir, "--repeats", "1",
+                    "--threads", "1", "--json", str(out), "--write-docs", str(docs)],
+                   check=True, capture_output=True, timeout=240)
+    data = json.loads(out.read_text())
+    for mode in ("fork", "standby"):
+        assert data["modes"][mode]["cold_ms"] > 0 and "kv_allocation" in data["modes"][mode]["phases_ms"]
+    assert data["ratio_standby_vs_fork"] > 0
+    text = docs.read_text()
+    assert "| standby |" in text and (tmp_path / "img" / "standby_bench.png").exists()

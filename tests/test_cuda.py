@@ -309,3 +309,57 @@ def test_weights_go_to_the_device_through_two_reused_staging_buffers():
     assert got[-1].shape == (100, 100) and torch.equal(got[-1].cpu(), tensors[3].view(100, 100).bfloat16())
     assert len(up.buffers) == 2 and all(b.numel() == 1000 for b in up.buffers)
     assert up.bytes == sum(t.numel() * 4 for t in tensors) + 10_000 * 2
+
+
+def test_an_engine_from_a_host_copy_prepared_for_the_device_serves_the_checkpoints_tokens(tiny_model_dir):
+    """A zygote keeps a GPU unit's weights in host memory as they will serve (the device's dtype,
+    merged projections); an engine started from that copy (on a GPU: copied there, the phase
+    ``weights_h2d``) gives the tokens of one that read the checkpoint, and the host copy is untouched."""
+    from sits.engine.llm_engine import PreloadedModel
+
+    cfg = EngineConfig(model=tiny_model_dir, device=DEVICE, dtype="bfloat16", warmup=False, kv_cache_memory_mb=16)
+    pre = PreloadedModel.load(cfg)
+    host = dict(pre.model.named_parameters())
+    assert pre.fits(cfg, torch.device(DEVICE)) and all(p.device.type == "cpu" for p in host.values())
+    prompts = [torch.randint(5, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 33)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ref = LLMEngine(cfg).generate(prompts, params)
+    on_gpu = DEVICE.startswith("cuda")
+    if on_gpu:                           # as a standby process does: the copies then need no staging
+        from sits.engine.host_weights import pin_in_place, unpin_all
+        assert pin_in_place([pre.host_region.tensor]) >= pre.host_region.nbytes
+    try:
+        eng = LLMEngine(cfg, preloaded=pre)
+        assert eng.inherited_weights
+        assert ("weights_h2d" if on_gpu else "weights") in eng.report.phases_ms
+        assert [r["token_ids"] for r in eng.generate(prompts, params)] == [r["token_ids"] for r in ref]
+        assert dict(pre.model.named_parameters()) == host
+        assert all(p.device.type == torch.device(DEVICE).type for p in eng.model.parameters())
+    finally:
+        if on_gpu:
+            unpin_all()
+
+
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="page-locking host memory needs CUDA")
+def test_host_memory_page_locked_in_place_reaches_the_device_without_staging():
+    from sits.engine.host_weights import SharedHostRegion, is_pinned_in_place, pin_in_place, unpin_all
+    from sits.engine.loader import StagedUpload
+
+    unpin_all()
+    region = SharedHostRegion(4 << 20)
+    pinned = region.tensor[: 4 << 20].view(torch.float32)
+    pinned.copy_(torch.randn(1 << 20))
+    plain = torch.randn(1000)
+    try:
+        assert pin_in_place([pinned]) >= 4 << 20
+        assert is_pinned_in_place(pinned) and is_pinned_in_place(pinned[10:20]) and not is_pinned_in_place(plain)
+        assert pin_in_place([pinned[5:]]) == 0                  # registered once
+        up = StagedUpload(torch.device(DEVICE), chunk_bytes=4096)
+        got = [up.upload(pinned, torch.float32), up.upload(plain, torch.float32), up.upload(pinned, torch.bfloat16)]
+        up.finish()
+        assert torch.equal(got[0].cpu(), pinned) and torch.equal(got[1].cpu(), plain)
+        assert torch.equal(got[2].cpu(), pinned.bfloat16())      # a conversion is staged
+        assert up.direct_bytes == pinned.numel() * 4
+        torch.ones(4, device=DEVICE).sum().item()              # no CUDA error left behind
+    finally:
+        unpin_all()

@@ -25,8 +25,9 @@ def test_the_device_check_script_runs_end_to_end_on_the_cpu(tmp_path):
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-2000:], logs)
     merged = json.loads((tmp_path / "device_check.json").read_text())
     assert set(merged) == {"step_base_bf16", "step_llama1b_bf16", "coldstart_llama1b_bf16", "engine_base_bf16",
-                           "lora_base_bf16", "step_small_fp32"}
+                           "lora_base_bf16", "step_small_fp32", "standby_llama1b_bf16"}
     assert not (tmp_path / "skipped.txt").exists()
     assert " passed" in (tmp_path / "tests.log").read_text()
     text = (tmp_path / "device_check.md").read_text()
-    assert "## Decode step" in text and "## Cold start" in text and "## LoRA" in text
+    assert "## Decode step" in text and "## Cold start" in text and "## LoRA" in text and "## Standby" in text
+    assert "nvml (free, total) bytes:" in (tmp_path / "host.txt").read_text()

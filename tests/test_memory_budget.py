@@ -4,6 +4,8 @@ while that unit is busy (its stream is never cut), and a unit that can never fit
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -79,3 +81,55 @@ def test_units_share_a_memory_budget(tiny_model_dir, tmp_path):
         assert "memory budget" in r.json()["error"]["message"]
     finally:
         srv.stop()
+
+
+def test_each_gpu_is_budgeted_apart_from_the_host(tiny_model_dir, tmp_path):
+    """A unit on a GPU reserves from that GPU's ledger: its weights, KV pool, activation reserve and a
+    CUDA context, beside the contexts of the processes standing by there. One that can never fit is
+    refused at deploy with the GPU named; a start that fails (no CUDA on this host) gives its
+    reservation back. Budgeting works without NVML when the operator gives it (``--gpu-memory-mb``)."""
+    from sits.runtime.device_memory import CUDA_CONTEXT_BYTES
+
+    def gpu_unit(name: str, kv_mb: int) -> UnitSpec:
+        spec = unit(name, tiny_model_dir)
+        return UnitSpec.model_validate(spec.model_dump() | {"resources": spec.resources.model_dump() | {
+            "device": "cuda:0", "kv_cache_mb": kv_mb}})
+
+    gw = Gateway(tmp_path, tick_s=0.2, gpu_memory_mb=3000)
+    app = build_gateway_app(gw, [gpu_unit("small-gpu", 16)], ServerSettings(drain_grace_s=0.5))
+    srv = start_server(app, server_cls=DrainingServer, app=app, grace_s=0.5)
+    try:
+        status = httpx.get(f"{srv.url}/v1/status").json()
+        ledger = status["device_memory"]["cuda:0"]
+        assert ledger["capacity_mb"] == 3000
+        assert ledger["by_unit_mb"] == {"(standby)": CUDA_CONTEXT_BYTES / MIB}     # one standby's context
+        host_before = status["memory"]["by_unit_mb"]
+        r = httpx.post(f"{srv.url}/v1/units", json=gpu_unit("big-gpu", 4000).model_dump())
+        assert r.status_code == 400 and r.json()["error"]["code"] == "insufficient_memory"
+        assert "GPU cuda:0" in r.json()["error"]["message"] and "--gpu-memory-mb" in r.json()["error"]["message"]
+        # a start: reserved on the GPU (not the host), given back when it fails here (no CUDA)
+        r = _complete(srv, "small-gpu")
+        assert r.status_code >= 500
+        events = _events(srv, "small-gpu")
+        assert any(e["event"] == "instance_failed" for e in events), [e["event"] for e in events]
+        status = httpx.get(f"{srv.url}/v1/status").json()
+        assert status["device_memory"]["cuda:0"]["by_unit_mb"] == {"(standby)": CUDA_CONTEXT_BYTES / MIB}
+        assert status["memory"]["by_unit_mb"] == host_before
+        shown = subprocess.run([sys.executable, "-m", "sits.cli", "status", "--url", srv.url], capture_output=True,
+                               text=True, timeout=60)
+        assert f"cuda:0 memory: {CUDA_CONTEXT_BYTES // MIB} of 3000 MiB reserved ((standby) 512)" in shown.stdout, \
+            shown.stdout + shown.stderr
+    finally:
+        srv.stop()
+
+
+def test_gpu_memory_is_read_without_a_cuda_context():
+    from sits.runtime.device_memory import device_key, gpu_memory, visible_indices
+    assert visible_indices(None, 2) == [0, 1]
+    assert visible_indices("1", 2) == [1]
+    assert visible_indices("1,0,5,0", 2) == [1, 0]          # CUDA stops at the first invalid entry
+    assert visible_indices("GPU-8f3a", 2) is None            # UUIDs are not mapped
+    assert visible_indices("", 2) == []
+    gpus = gpu_memory()                                      # {} on a host without the NVIDIA driver
+    assert all(k.startswith("cuda:") and 0 <= free <= total for k, (free, total) in gpus.items())
+    assert device_key("cuda") == "cuda:0" and device_key("cuda:1") == "cuda:1"

@@ -110,7 +110,8 @@ def build_gateway_app(gateway: Gateway, config_units: list[UnitSpec], settings: 
 
 def up(config_units: list[UnitSpec], settings: ServerSettings, *, data_dir: str, host: str = "127.0.0.1",
        port: int = 8000, log_level: str = "info", tick_s: float = 1.0, prefetch: bool = True,
-       ray: str | None = None, memory_budget_mb: float | None = None) -> int:
+       ray: str | None = None, memory_budget_mb: float | None = None,
+       gpu_memory_mb: float | None = None) -> int:
     sock = listen_socket(host, port)
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -120,7 +121,7 @@ def up(config_units: list[UnitSpec], settings: ServerSettings, *, data_dir: str,
 
     async def main() -> None:
         gateway = Gateway(data_dir, tick_s=tick_s, prefetch=prefetch, tenant_store=settings.tenant_store, ray=ray,
-                          memory_budget_mb=memory_budget_mb)
+                          memory_budget_mb=memory_budget_mb, gpu_memory_mb=gpu_memory_mb)
         app = build_gateway_app(gateway, config_units, settings)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                                 access_log=False)

@@ -139,6 +139,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         print()
         print(f"memory: {m['reserved_mb']:.0f} of {m['capacity_mb']:.0f} MiB held by instances ("
               + (", ".join(f"{u} {mb:.0f}" for u, mb in m["by_unit_mb"].items()) or "none") + ")")
+    for device, sb in (st.get("standby") or {}).items():
+        print(f"standby processes for {device}: {sb['ready']} of {sb['target']} ready")
+    for device, m in (st.get("device_memory") or {}).items():
+        print(f"{device} memory: {m['reserved_mb']:.0f} of {m['capacity_mb']:.0f} MiB reserved ("
+              + (", ".join(f"{u} {mb:.0f}" for u, mb in m["by_unit_mb"].items()) or "none") + ")")
     print()
     print(f"{'SLA':<16} {'ttft slo':>9} {'target':>7} {'attained':>9} {'in window':>9}  {'breaker':<9} {'trips':>5} "
           f"{'shed':>5}  fallback")

@@ -168,7 +168,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     units = cfg.units if cfg else []
     ray = args.ray or (cfg.ray_address if cfg is not None and cfg.cluster == "ray" else None)
     return up(units, _server_settings(args), data_dir=args.data_dir, host=args.host, port=args.port,
-              log_level=args.log_level, prefetch=not args.no_prefetch, ray=ray, memory_budget_mb=args.memory_budget_mb)
+              log_level=args.log_level, prefetch=not args.no_prefetch, ray=ray, memory_budget_mb=args.memory_budget_mb,
+              gpu_memory_mb=args.gpu_memory_mb)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -210,6 +211,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     upp.add_argument("--memory-budget-mb", type=float, default=None,
                      help="what this host's instances may hold together; a start that does not fit evicts idle "
                           "instances of other units or waits (default: the memory available at start)")
+    upp.add_argument("--gpu-memory-mb", type=float, default=None,
+                     help="what the instances on each GPU may hold together (weights, KV pools, activations, CUDA "
+                          "contexts); a start that does not fit evicts idle instances there or waits (default: 90%% "
+                          "of the GPU, or what is free at start if less)")
     upp.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
                      help="place instances on a Ray cluster's nodes by their unit's resources: auto (the running "
                           "cluster; the default when given bare), an address, or local (a one-node Ray started "

@@ -22,14 +22,16 @@ from sits.engine.config import (EngineConfig, ModelConfig, activation_reserve_by
                                default_step_budget, kv_blocks_for_device, resolve_attention, resolve_device,
                                resolve_dtype)
 from sits.engine.host_memory import keep_step_buffers_in_heap
+from sits.engine.host_weights import SharedHostRegion, move_to_shared_region
 from sits.engine.layers.linear import can_pack, pack_linears
 from sits.engine.quantization import quantize_model
 from sits.engine.detokenizer import IncrementalDetokenizer
+from sits.engine.device_init import init_device
 from sits.engine.errors import (EngineStepError, InsufficientDeviceMemoryError, InvalidRequestError,
                                NonFiniteLogitsError, SitsError)
 from sits.engine.guided import vocabulary_for
 from sits.engine.kv_cache import KVCache, bytes_per_block
-from sits.engine.loader import load_model
+from sits.engine.loader import load_model, upload_module
 from sits.engine.lora import AdapterInUseError, AdapterManager, AdapterNotFoundError, LoraAdapter
 from sits.engine.messages import EngineLimits, EngineRequest, EngineStats, TokenEvent
 from sits.engine.model_runner import ModelRunner
@@ -68,7 +70,11 @@ def prepare_weights(model: torch.nn.Module, cfg: EngineConfig, dtype: torch.dtyp
 
 @dataclass(slots=True)
 class PreloadedModel:
-    """A model and tokenizer built ahead of time (by a zygote, before it forks engines on CPU)."""
+    """A model and tokenizer built ahead of time in host memory (by a zygote, before it forks
+    engines). For a CPU engine it is the engine's model; for a GPU engine it is the weights as they
+    will serve (the device's dtype, projections merged) kept in host RAM, in one region forks share
+    (``host_weights``), so a start copies them to the device instead of reading and converting the
+    checkpoint (vLLM's sleep mode, level 1, keeps weights the same way)."""
 
     model_dir: str
     dtype: str
@@ -77,32 +83,47 @@ class PreloadedModel:
     model_config: ModelConfig
     model: torch.nn.Module
     tokenizer: Tokenizer
+    device_type: str = "cpu"           # the device the weights were prepared for
+    host_region: SharedHostRegion | None = None      # where a GPU model's weights live (shared with forks)
 
     @classmethod
     def load(cls, cfg: EngineConfig) -> "PreloadedModel":
+        """Built on the CPU whatever ``cfg.device`` is: no CUDA context is created (a zygote forks)."""
         mc = ModelConfig.from_dir(cfg.model)
         max_len = plan_limits(cfg, mc).max_model_len
-        cpu = torch.device("cpu")
-        dtype = resolve_dtype(cfg.dtype, cpu, mc.torch_dtype)
-        model = prepare_weights(load_model(cfg.model, mc, cpu, dtype, max_len), cfg, dtype, cpu)
+        cpu, target = torch.device("cpu"), torch.device(resolve_device(cfg.device).type)
+        if target.type != "cpu" and cfg.quantization is not None:
+            raise ValueError("quantized weights are prepared on their device")
+        dtype = resolve_dtype(cfg.dtype, target, mc.torch_dtype)
+        model = prepare_weights(load_model(cfg.model, mc, cpu, dtype, max_len), cfg, dtype, target)
+        region = move_to_shared_region(model) if target.type != "cpu" else None
         return cls(str(cfg.model), cfg.dtype, (cfg.quantization, cfg.pack_weights), max_len, mc, model,
-                   Tokenizer.from_dir(cfg.model))
+                   Tokenizer.from_dir(cfg.model), target.type, region)
 
     @staticmethod
     def key(cfg: EngineConfig) -> tuple:
-        return (os.path.realpath(str(cfg.model)), cfg.dtype, cfg.quantization, cfg.pack_weights, cfg.max_model_len)
+        return (os.path.realpath(str(cfg.model)), cfg.dtype, cfg.quantization, cfg.pack_weights, cfg.max_model_len,
+                resolve_device(cfg.device).type)
 
     def fits(self, cfg: EngineConfig, device: torch.device) -> bool:
-        return (device.type == "cpu" and self.dtype == cfg.dtype and self.layout == (cfg.quantization, cfg.pack_weights)
+        return (device.type == self.device_type and self.dtype == cfg.dtype
+                and self.layout == (cfg.quantization, cfg.pack_weights)
                 and os.path.realpath(self.model_dir) == os.path.realpath(str(cfg.model))
                 and self.max_model_len == plan_limits(cfg, self.model_config).max_model_len)
 
+    def model_on(self, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+        """The model for an engine on ``device``: this one on a CPU; on a GPU, its weights copied there."""
+        return self.model if device.type == "cpu" else upload_module(self.model, device, dtype)
+
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig, preloaded: PreloadedModel | None = None):
-        """``preloaded``: weights and tokenizer already built in this process (inherited from a zygote)."""
+    def __init__(self, cfg: EngineConfig, preloaded: PreloadedModel | None = None,
+                 start_requested_at: float | None = None):
+        """``preloaded``: weights and tokenizer already built in this process (inherited from a zygote);
+        ``start_requested_at``: ``time.monotonic()`` when this start was asked of a process that existed
+        before (a standby), so ``imports`` is not the process's whole age."""
         self.report = ColdStartReport()
-        age = process_age_s()
+        age = process_age_s() if start_requested_at is None else time.monotonic() - start_requested_at
         if age is not None:
             self.report.record("imports", age * 1e3)
         self.device = resolve_device(cfg.device)
@@ -111,8 +132,7 @@ class LLMEngine:
         self.cfg = cfg
         if self.device.type == "cuda":
             with self.report.phase("cuda_init"):    # the context, created now rather than by the first copy
-                torch.cuda.set_device(self.device)  # (and Triton launches on the current device)
-                torch.empty(1, device=self.device)
+                init_device(self.device)            # (free in a standby process: it made it while waiting)
         self.threads = cfg.threads or os.cpu_count() or 1
         if self.device.type == "cpu":
             torch.set_num_threads(self.threads)
@@ -125,8 +145,9 @@ class LLMEngine:
             self.limits = plan_limits(cfg, self.model_config)
             self.max_model_len = self.limits.max_model_len
         self.inherited_weights = preloaded is not None
-        with self.report.phase("weights"):
-            self.model = preloaded.model if preloaded else prepare_weights(
+        # from the checkpoint ("weights"), or the inherited host copy ("weights_h2d" on a GPU: a copy only)
+        with self.report.phase("weights_h2d" if preloaded and self.device.type != "cpu" else "weights"):
+            self.model = preloaded.model_on(self.device, self.dtype) if preloaded else prepare_weights(
                 load_model(cfg.model, self.model_config, self.device, self.dtype, self.max_model_len),
                 cfg, self.dtype, self.device)
         with self.report.phase("tokenizer"):

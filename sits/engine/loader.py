@@ -9,6 +9,8 @@ copied (the kernel's page cache *is* the model).
 
 from __future__ import annotations
 
+import copy
+
 import json
 import mmap
 import struct
@@ -20,6 +22,7 @@ from torch import nn
 from sits.engine.config import ModelConfig
 from sits.engine.errors import ModelLoadError
 from sits.engine.gguf_model import open_gguf
+from sits.engine.host_weights import is_pinned_in_place
 from sits.engine.models.llama import LlamaForCausalLM
 
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
@@ -116,6 +119,7 @@ class StagedUpload:
         self.done: list[torch.cuda.Event | None] = [None, None]    # the device's last copy out of each buffer
         self.turn = 0
         self.bytes = 0
+        self.direct_bytes = 0          # of which read straight from page-locked host memory (no staging)
 
     def upload(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``t`` as ``dtype`` on the device (the copy may still be in flight: ``finish()`` waits)."""
@@ -126,6 +130,11 @@ class StagedUpload:
 
     def _upload(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(t.shape, dtype=dtype, device=self.device)
+        if self.cuda and t.dtype == dtype and t.is_contiguous() and is_pinned_in_place(t):
+            out.copy_(t, non_blocking=True)           # page-locked already: the device reads it by DMA
+            self.direct_bytes += out.numel() * out.element_size()
+            self.bytes += out.numel() * out.element_size()
+            return out
         src, dst = t.reshape(-1), out.view(-1)
         step = max(1, self.chunk_bytes // out.element_size())
         for start in range(0, src.numel(), step):
@@ -185,6 +194,31 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
     if upload is not None:
         upload.finish()
     return model.eval()
+
+
+def upload_module(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """A copy of a host-resident model on ``device``: its parameters as ``dtype``, its buffers in their
+    own dtype (the rotary tables stay fp32), sent through ``StagedUpload``. ``model`` is left as it
+    is (its module objects are cloned, not its tensors); shared tensors (tied embeddings) are copied
+    once and stay shared."""
+    tensors = {id(t): t for m in model.modules() for t in (*m._parameters.values(), *m._buffers.values())
+               if t is not None}
+    largest = max((t.numel() * max(t.element_size(), dtype.itemsize) for t in tensors.values()), default=16)
+    upload = StagedUpload(device, chunk_bytes=min(64 << 20, max(largest, 16)))
+    clone = copy.deepcopy(model, memo=dict(tensors))        # new modules around the same tensors
+    moved: dict[int, torch.Tensor] = {}
+    for m in clone.modules():
+        for slots, as_param in ((m._parameters, True), (m._buffers, False)):
+            for name, t in list(slots.items()):
+                if t is None:
+                    continue
+                if id(t) not in moved:
+                    want = dtype if as_param and t.is_floating_point() else t.dtype
+                    data = upload.upload(t.detach(), want)
+                    moved[id(t)] = nn.Parameter(data, requires_grad=False) if as_param else data
+                slots[name] = moved[id(t)]
+    upload.finish()
+    return clone
 
 
 def count_parameters(model: nn.Module) -> int:

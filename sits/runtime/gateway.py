@@ -24,6 +24,7 @@ from sits.memory.ingest import ingest_dir
 from sits.memory.vectors import EmbedderUnavailableError, off_loop, open_memory_store
 from sits.engine.config import resolve_device
 from sits.runtime.host_fit import available_memory_bytes
+from sits.runtime.device_memory import CUDA_CONTEXT_BYTES, device_key, gpu_memory
 from sits.runtime.memory_ledger import MemoryLedger
 from sits.runtime.unit_spec import UnitSpec
 from sits.runtime.hints import RequestHints
@@ -84,14 +85,19 @@ class _UnitEmbedder:
                                            f"{self.TIMEOUT_S:g} s") from None
 
 
+GPU_MEMORY_UTILIZATION = 0.9      # of each GPU's memory, what its instances may hold by default
+
+
 class Gateway:
     def __init__(self, data_dir: str | Path, *, tick_s: float = 1.0, zygote: bool = True,
                  prefetch: bool = True, prefetch_threshold: float = 0.85, tenant_store: str | None = None,
                  ray: str | None = None, ray_placement_timeout_s: float = 60.0,
-                 memory_budget_mb: float | None = None):
+                 memory_budget_mb: float | None = None, gpu_memory_mb: float | None = None):
         """``ray``: place instances on a Ray cluster (``auto``, an address, or ``local`` for a one-node
         Ray started here) instead of forking them from this host's zygote. ``memory_budget_mb``: what
-        this host's instances may hold together (default: the memory available when the gateway starts)."""
+        this host's instances may hold together (default: the memory available when the gateway starts);
+        ``gpu_memory_mb``: what the instances on each GPU may hold together (default: 90% of the
+        device, or what NVML says is free when the gateway starts if less)."""
         self.data_dir = Path(data_dir)
         # vector memory of the data directory (RAG units ingest into it; the HTTP layer serves it)
         self.memory = open_memory_store(self.data_dir)
@@ -102,11 +108,15 @@ class Gateway:
         self.use_zygote = zygote
         self.prefetcher = Prefetcher(threshold=prefetch_threshold if prefetch else float("inf"))
         self.zygote: ZygoteClient | None = None
+        self._standbys: dict[str, int] = {}          # device -> standby processes asked of the zygote
         self.ray_address = ray
         self.ray_placement_timeout_s = ray_placement_timeout_s
         self.cluster = None                     # RayCluster, with --ray
         self.memory_budget_mb = memory_budget_mb
         self.ledger: MemoryLedger | None = None     # this host's instances' memory (made at start)
+        self.gpu_memory_mb = gpu_memory_mb
+        self._gpus: dict[str, tuple[int, int]] = {}          # NVML at start: device -> (free, total) bytes
+        self.device_ledgers: dict[str, MemoryLedger] = {}    # each GPU's instances' memory (made on first use)
         self.store = UnitStore(self.data_dir)
         self.units: dict[str, UnitBackend | RemoteUnit | MeshUnit] = {}
         self.tick_s = tick_s
@@ -173,6 +183,7 @@ class Gateway:
         elif spec.kind == "local" and self.zygote is not None and self.zygote.alive:
             self._hold_preloaded(backend)
             self.zygote.preload(asdict(spec.engine_config()))
+            self._sync_standbys()
         backend.tick(time.monotonic())           # min_instances start now
         if own_embedder:
             self.memory.register_embedder(unit_embedder_name(spec.name),
@@ -186,6 +197,28 @@ class Gateway:
             self.store.put(spec)
         self.record(spec.name, "deployed", {"kind": spec.kind, "model": backend.root})
         return backend
+
+    def _sync_standbys(self) -> None:
+        """The zygote keeps, per device, as many standby processes as the units on it ask for (the most)."""
+        if self.zygote is None or not self.zygote.alive:
+            return
+        want: dict[str, int] = {}
+        for u in self.units.values():
+            if isinstance(u, UnitBackend):
+                device = u.spec.resources.device
+                want[device] = max(want.get(device, 0), u.spec.standby_processes())
+        for device in sorted(set(want) | set(self._standbys)):
+            n = want.get(device, 0)
+            if n == self._standbys.get(device, 0):
+                continue
+            self.zygote.standby(device, n)
+            key = device_key(str(resolve_device(device)))
+            ledger = self.device_ledgers.get(key) if key.startswith("cuda") else None
+            if ledger is not None:            # each standby holds a CUDA context on its GPU
+                ledger.release(f"standby:{device}")
+                if n:
+                    ledger.hold(f"standby:{device}", None, n * CUDA_CONTEXT_BYTES, owner="(standby)")
+        self._standbys = want
 
     def _refuse_mesh_cycle(self, spec: UnitSpec) -> None:
         """A mesh that would reach itself through its tiers (directly or via other meshes) is refused."""
@@ -228,6 +261,7 @@ class Gateway:
         await backend.close(SitsError(f"unit {name} was deleted", code="unit_deleted"))
         if isinstance(backend, UnitBackend):
             self._release_preloaded(backend)
+            self._sync_standbys()
         if self.cluster is not None and backend.spec.kind == "local":
             self.cluster.forget(asdict(backend.spec.engine_config()))
         self.record(name, "deleted", {})
@@ -255,65 +289,99 @@ class Gateway:
 
     # -- lifecycle ------------------------------------------------------------------------------------
     # -- memory ---------------------------------------------------------------------------------------
+    def _ledger_for(self, unit: UnitBackend) -> MemoryLedger | None:
+        """The ledger an instance of ``unit`` reserves from: the host's, or its GPU's (None: no budget,
+        e.g. on a Ray cluster, whose nodes account for their own)."""
+        if self.cluster is not None:
+            return None
+        if not unit.device.startswith("cuda"):
+            return self.ledger
+        ledger = self.device_ledgers.get(unit.device)
+        if ledger is None:
+            free_total = self._gpus.get(unit.device)
+            if self.gpu_memory_mb is not None:
+                capacity = int(self.gpu_memory_mb * 2**20)
+            elif free_total is not None:       # 90% of the device, or what was free at start if less
+                capacity = min(int(free_total[1] * GPU_MEMORY_UTILIZATION), free_total[0])
+            else:
+                return None                    # a GPU NVML does not show: not budgeted
+            ledger = self.device_ledgers[unit.device] = MemoryLedger(capacity)
+        return ledger
+
     async def reserve_memory(self, unit: UnitBackend, inst) -> None:
-        """Before an instance of ``unit`` starts on this host: its memory, or idle instances of other
-        units evicted for it, or a wait until some is given back (see ``memory_ledger``)."""
-        ledger = self.ledger
-        if ledger is None or self.cluster is not None or resolve_device(unit.spec.resources.device).type != "cpu":
+        """Before an instance of ``unit`` starts on this host: its memory (on the host, or on its GPU),
+        or idle instances of other units there evicted for it, or a wait until some is given back (see
+        ``memory_ledger``)."""
+        ledger = self._ledger_for(unit)
+        if ledger is None:
             return
-        group = self._weights_group(unit)
-        need = ledger.need(group, unit.weight_bytes, unit.kv_bytes)
-        if need > ledger.capacity - (ledger.held(group) if group else 0):
-            raise SitsError(f"an instance of {unit.name} needs {need / 2**20:.0f} MiB and this host's instances may "
-                            f"hold {ledger.capacity / 2**20:.0f} MiB in all", code="insufficient_memory")
+        group = self._weights_group(unit) if ledger is self.ledger else None    # on a GPU each instance has its own
+        weights = unit.weight_bytes + unit.device_reserve_bytes
+        need = ledger.need(group, weights, unit.kv_bytes)
+        where = f"GPU {unit.device}" if unit.device_reserve_bytes else "this host"
+        if need > ledger.capacity - (ledger.held(group) if group else 0) - ledger.kept_by("(standby)"):
+            raise SitsError(f"an instance of {unit.name} needs {need / 2**20:.0f} MiB and the instances on {where} "
+                            f"may hold {ledger.capacity / 2**20:.0f} MiB in all", code="insufficient_memory")
         waiting = False
-        while not ledger.reserve(inst.id, unit.name, group, unit.weight_bytes, unit.kv_bytes):
+        while not ledger.reserve(inst.id, unit.name, group, weights, unit.kv_bytes):
             if inst.state.value == "DRAINING":       # not wanted any more
                 return
-            self._evict_idle(unit.name, need - (ledger.capacity - ledger.reserved))
+            self._evict_idle(unit.name, need - (ledger.capacity - ledger.reserved), ledger)
             if not waiting:
                 waiting = True
                 self.record(unit.name, "instance_waiting_for_memory", {
-                    "instance": inst.id, "need_mb": round(need / 2**20, 1), **ledger.view()})
+                    "instance": inst.id, "device": unit.device, "need_mb": round(need / 2**20, 1), **ledger.view()})
             await ledger.freed(1.0)
 
     def release_memory(self, inst) -> None:
-        if self.ledger is not None:
-            self.ledger.release(inst.id)
+        for ledger in self._ledgers():
+            ledger.release(inst.id)
+
+    def _ledgers(self) -> list[MemoryLedger]:
+        return [x for x in (self.ledger, *self.device_ledgers.values()) if x is not None]
 
     def _weights_group(self, unit: UnitBackend) -> str | None:
-        """The weights group an instance of ``unit`` shares (the zygote's preloaded model), or None
-        (no zygote: each instance loads its own copy)."""
-        if self.zygote is None or not self.zygote.alive or resolve_device(unit.spec.resources.device).type != "cpu":
+        """The weights the zygote keeps in host memory for ``unit`` (its preloaded model, shared by every
+        fork: a CPU instance computes with it, a GPU instance copies it to its device), or None (no
+        zygote: each instance loads its own copy; int8 on a GPU is quantized there)."""
+        cfg = unit.spec.engine_config()
+        if self.zygote is None or not self.zygote.alive or (unit.device_reserve_bytes and cfg.quantization):
             return None
         from sits.engine.llm_engine import PreloadedModel
-        return "weights:" + "|".join(map(str, PreloadedModel.key(unit.spec.engine_config())))
+        return "weights:" + "|".join(map(str, PreloadedModel.key(cfg)))
 
     def _hold_preloaded(self, unit: UnitBackend) -> None:
-        """The zygote keeps a deployed CPU unit's weights (its forks share them): held in the ledger while
-        a unit of that model is deployed, so an instance's start reserves its KV pool only."""
+        """The zygote keeps a deployed unit's weights in host memory (its forks share them): held in the
+        host's ledger while a unit of that model is deployed, so a CPU instance's start reserves its KV
+        pool only (a GPU instance reserves its own copy on its GPU's ledger)."""
         ledger, group = self.ledger, self._weights_group(unit)
         if ledger is None or group is None or ledger.holds(group):
             return
         short = ledger.reserved + unit.weight_bytes - ledger.capacity
         ledger.hold(group, group, unit.weight_bytes)
         if short > 0:       # instances give the rest back: idle ones now, busy ones when they stop
-            self._evict_idle(unit.name, short)
+            self._evict_idle(unit.name, short, ledger)
 
     def _refuse_over_budget(self, unit: UnitBackend) -> None:
-        """A unit whose weights and one instance's KV pool cannot fit the budget beside the weights the
-        zygote holds for the other units is refused at deploy, with the numbers."""
-        ledger, group = self.ledger, self._weights_group(unit)
-        if ledger is None or resolve_device(unit.spec.resources.device).type != "cpu":
+        """A unit whose weights and one instance's KV pool (on a GPU, with its activation reserve and
+        CUDA context) cannot fit its ledger's budget beside what the zygote keeps for the other units
+        (their preloaded weights; standby processes' contexts) is refused at deploy, with the numbers."""
+        ledger = self._ledger_for(unit)
+        if ledger is None:
             return
-        held = ledger.weights_held - (ledger.held(group) if group is not None and ledger.holds(group) else 0)
-        need = unit.weight_bytes + unit.kv_bytes
+        group = self._weights_group(unit) if ledger is self.ledger else None
+        held = ledger.kept - (ledger.held(group) if group is not None and ledger.holds(group) else 0)
+        need = unit.weight_bytes + unit.device_reserve_bytes + unit.kv_bytes
         if held + need > ledger.capacity:
+            if unit.device_reserve_bytes:
+                what = (f"GPU {unit.device}'s memory budget ({ledger.capacity / 2**20:.0f} MiB) beside the standby "
+                        f"processes' contexts ({held / 2**20:.0f} MiB): raise --gpu-memory-mb")
+            else:
+                what = (f"this host's memory budget ({ledger.capacity / 2**20:.0f} MiB) beside the weights of the units "
+                        f"deployed ({held / 2**20:.0f} MiB): raise --memory-budget-mb")
             raise InvalidRequestError(
-                f"unit {unit.name}: its weights and one instance's KV pool ({need / 2**20:.0f} MiB) do not fit this "
-                f"host's memory budget ({ledger.capacity / 2**20:.0f} MiB) beside the weights of the units deployed "
-                f"({held / 2**20:.0f} MiB): raise --memory-budget-mb or make resources.kv_cache_mb smaller",
-                param="resources", code="insufficient_memory")
+                f"unit {unit.name}: its weights and one instance's KV pool ({need / 2**20:.0f} MiB) do not fit "
+                f"{what} or make resources.kv_cache_mb smaller", param="resources", code="insufficient_memory")
 
     def _release_preloaded(self, unit: UnitBackend) -> None:
         """The last deployed unit of a weights group is gone: the zygote drops the model."""
@@ -325,12 +393,11 @@ class Gateway:
             self.ledger.release(group)
         self.zygote.forget(asdict(unit.spec.engine_config()))
 
-    def _evict_idle(self, for_unit: str, shortfall: int) -> None:
-        """Drain idle instances of other units (nothing in flight or waiting; never below a unit's
-        ``min_instances``), least recently used unit first, until what they hold, with what is being
-        given back already, covers ``shortfall``."""
-        ledger = self.ledger
-        local = [u for u in self.units.values() if isinstance(u, UnitBackend)]
+    def _evict_idle(self, for_unit: str, shortfall: int, ledger: MemoryLedger) -> None:
+        """Drain idle instances of other units that hold memory in ``ledger`` (nothing in flight or
+        waiting; never below a unit's ``min_instances``), least recently used unit first, until what
+        they hold, with what is being given back already, covers ``shortfall``."""
+        local = [u for u in self.units.values() if isinstance(u, UnitBackend) and self._ledger_for(u) is ledger]
         freeing = sum(ledger.held(i.id) for u in local for i in u.pool.instances if i.state.value == "DRAINING")
         idle = [u for u in local if u.name != for_unit and u.dispatcher.inflight == 0 and u.dispatcher.waiting == 0
                 and len(u.pool.live()) > u.spec.scale.min_instances]
@@ -369,6 +436,8 @@ class Gateway:
         budget = self.memory_budget_mb * 2**20 if self.memory_budget_mb is not None else available_memory_bytes()
         if budget is not None and self.cluster is None:
             self.ledger = MemoryLedger(int(budget))
+        if self.cluster is None:
+            self._gpus = await asyncio.to_thread(gpu_memory)
         by_name = {u.name: u for u in self.store.all()}
         for u in config_units:
             by_name[u.name] = u
@@ -424,8 +493,13 @@ class Gateway:
 
     def status(self) -> dict:
         out = {"units": [b.view() for b in self.units.values()], "events": list(self.events)[-50:]}
+        if self._standbys and self.zygote is not None:     # processes standing by per device: ready / asked
+            out["standby"] = {d: {"ready": self.zygote.ready_standbys(d), "target": n}
+                              for d, n in sorted(self._standbys.items()) if n}
         if self.ledger is not None:
             out["memory"] = self.ledger.view()
+        if self.device_ledgers:
+            out["device_memory"] = {d: ledger.view() for d, ledger in sorted(self.device_ledgers.items())}
         if self.cluster is not None:
             out["nodes"] = self.cluster.view()
         return out

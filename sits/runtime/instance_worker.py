@@ -108,8 +108,9 @@ def _accept(listener: socket.socket, token: str | None) -> socket.socket:
 
 
 def serve_instance(cfg_dict: dict, sock_path: str, preloaded=None, listener: socket.socket | None = None,
-                   token: str | None = None) -> int:
+                   token: str | None = None, start_requested_at: float | None = None) -> int:
     """``preloaded``: a PreloadedModel this process inherited (a zygote fork), used when it fits;
+    ``start_requested_at``: when a standby process was handed this start (its age is not the start's);
     ``listener``: the socket already bound at ``sock_path`` (a zygote binds it before forking, so the
     front end can connect the moment the fork is reported); ``token``: what a TCP peer must send first."""
     listener = listener or listen_on(sock_path)
@@ -124,7 +125,7 @@ def serve_instance(cfg_dict: dict, sock_path: str, preloaded=None, listener: soc
     from sits.engine.errors import SitsError
     from sits.engine.llm_engine import LLMEngine
     try:
-        engine = LLMEngine(EngineConfig(**cfg_dict), preloaded=preloaded)
+        engine = LLMEngine(EngineConfig(**cfg_dict), preloaded=preloaded, start_requested_at=start_requested_at)
     except SitsError as e:
         send_blocking(conn, Fatal(e.code, e.message))
         return 2

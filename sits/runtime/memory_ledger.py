@@ -9,8 +9,10 @@ units (none in flight, never below a unit's ``min_instances``, least recently us
 unit scales down by one, as a keep-alive expiry would) and waits while the memory is being given
 back; with nothing idle to evict it waits until an instance stops. No start is allowed to push the
 host past its budget (the kernel's OOM killer would pick a victim by itself). Scale to zero gives
-the KV pools back. This is for CPU instances; a GPU's memory is not measured here (that needs the
-device, which the gateway does not touch).
+the KV pools back. The gateway keeps one ledger for the host's memory (CPU instances) and one per
+GPU (its instances' weights, KV pools, activation reserves and CUDA contexts, and the standby
+processes' contexts; instances on a GPU share no weights), budgeted from NVML without a CUDA context
+(``device_memory``).
 """
 
 from __future__ import annotations
@@ -51,15 +53,20 @@ class MemoryLedger:
         self._held[instance] = _Holding(unit, group, n)
         return True
 
-    def hold(self, key: str, group: str, nbytes: int) -> None:
-        """A weights group's weights, held for as long as the zygote keeps them (``release(key)``), fitting
-        or not (it keeps them either way; starts wait until instances give enough back)."""
+    def hold(self, key: str, group: str | None, nbytes: int, owner: str = "(zygote)") -> None:
+        """Memory the zygote keeps (a weights group's weights, standby processes' contexts) for as long as
+        it keeps it (``release(key)``), fitting or not (it keeps it either way; starts wait until
+        instances give enough back)."""
         if key not in self._held:
-            self._held[key] = _Holding("(zygote)", group, nbytes)
+            self._held[key] = _Holding(owner, group, nbytes)
+
+    def kept_by(self, owner: str) -> int:
+        return sum(h.nbytes for h in self._held.values() if h.unit == owner)
 
     @property
-    def weights_held(self) -> int:
-        return sum(h.nbytes for k, h in self._held.items() if h.unit == "(zygote)")
+    def kept(self) -> int:
+        """What the zygote keeps, whatever instances run: preloaded weights, standby processes."""
+        return sum(h.nbytes for h in self._held.values() if h.unit in ("(zygote)", "(standby)"))
 
     def release(self, key: str) -> None:
         h = self._held.pop(key, None)

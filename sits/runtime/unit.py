@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from sits.engine.config import ModelConfig, generation_defaults
+from sits.engine.config import ModelConfig, activation_reserve_bytes, generation_defaults, resolve_device
 from sits.engine.errors import InvalidRequestError, ModelLoadError, SitsError
 from sits.engine.lora import AdapterExistsError, AdapterNotFoundError, load_adapter
 from sits.engine.messages import EngineRequest, EngineStats, TokenEvent
@@ -35,6 +35,7 @@ from sits.runtime.unit_pool import UnitPool
 from sits.runtime.unit_spec import UnitSpec
 from sits.runtime.features import DEFAULT_MEMORY_TOP_K, BackendFeatures, model_shape
 from sits.runtime.hints import RequestHints
+from sits.runtime.device_memory import CUDA_CONTEXT_BYTES, device_key
 from sits.runtime.host_fit import check_fits_host
 from sits.runtime.dispatcher import UnitDispatcher
 
@@ -97,6 +98,12 @@ class UnitBackend(FallbackGuard):
                              release_memory=lambda inst: host.release_memory(inst))
         self.weight_bytes = weight_bytes
         self.kv_bytes = self.footprint_bytes - weight_bytes
+        # on a GPU an instance also holds a step's activations, kernels' workspaces and its CUDA context
+        self.device: str = device_key(str(resolve_device(spec.resources.device)))
+        self.device_reserve_bytes = 0
+        if self.device.startswith("cuda"):
+            dtype = torch.float32 if spec.resources.dtype == "float32" else torch.bfloat16
+            self.device_reserve_bytes = activation_reserve_bytes(mc, spec.engine_config(), dtype) + CUDA_CONTEXT_BYTES
         self.autoscaler = Autoscaler(spec.scale, spec.slo)
         self.window = MetricsWindow(spec.scale.window_s)
         self.cpu = CpuMeter()

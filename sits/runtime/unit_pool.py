@@ -273,7 +273,9 @@ class UnitPool:
             self._notify()
             return
         inst.backend = backend
-        # fork/spawn: request -> the new process answering (interpreter start and imports included)
+        if getattr(backend.proc, "standby", False):
+            how = "standby"                 # handed to a process standing by (its device already set up)
+        # fork/spawn/standby: request -> the process answering (interpreter start and imports included)
         phases = {how: round((marks.get("loading", t0) - t0) * 1e3, 2)}
         if t0 - waited_from > 0.001:         # waited for memory (idle instances of other units evicted)
             phases = {"memory_wait": round((t0 - waited_from) * 1e3, 2), **phases}

@@ -34,7 +34,7 @@ import yaml
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       StringConstraints, model_validator)
 
-from sits.engine.config import EngineConfig
+from sits.engine.config import EngineConfig, resolve_device
 from sits.engine.errors import SitsError
 from sits.engine.sampling_params import MIN_REPETITION_PENALTY
 from sits.faults.spec import FaultsSpec
@@ -100,6 +100,9 @@ class ResourcesSpec(_Strict):
     lora: bool = Field(False, description="accept LoRA adapters loaded at run time (implied by adapters:)")
     max_loras: int = Field(4, ge=1, le=256, description="LoRA adapters resident, and in one step, at most")
     max_lora_rank: int = Field(64, ge=1, le=4096)
+    standby: int | None = Field(
+        None, ge=0, le=8, description="processes kept standing by on this unit's device for its next starts "
+                                      "(context created, no weights): default 1 on a GPU, 0 on a CPU")
     cpu_quota: float | None = Field(None, gt=0, le=1024,
                                     description="CPU cores per instance (cgroup quota where the host allows it, "
                                                 "a thread cap otherwise)")
@@ -284,6 +287,13 @@ class UnitSpec(_Strict):
             except jinja2.TemplateSyntaxError as e:
                 raise ValueError(f"not a valid Jinja template: {e.message} (template line {e.lineno})") from None
         return v
+
+    def standby_processes(self) -> int:
+        """How many processes the zygote keeps ready for this unit's device (see ``ResourcesSpec.standby``)."""
+        r = self.resources
+        if r.standby is not None:
+            return r.standby
+        return 1 if resolve_device(r.device).type == "cuda" else 0
 
     def engine_config(self) -> EngineConfig:
         r = self.resources

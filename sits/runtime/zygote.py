@@ -8,15 +8,27 @@ It also builds the models of deployed units ahead of time (``preload``): the map
 tokenizer are then inherited by every fork, so an instance skips its weights and tokenizer phases,
 and two small single-threaded forward passes pay the operators' one-time set-up for all of them.
 The zygote runs torch single-threaded, so no intra-op thread pool exists when it forks (OpenMP
-pools do not survive a fork); each child sets up its own. CUDA cannot cross a fork: preloading is
-for CPU engines, GPU instances load their own weights.
+pools do not survive a fork); each child sets up its own. CUDA cannot cross a fork, so for a GPU
+unit the zygote keeps the weights as they will serve (the device's dtype, projections merged) in
+host memory, and each instance copies them to its device (``PreloadedModel.model_on``).
+
+Standby processes: a CUDA context cannot be inherited, so a GPU instance would create its own on the
+start's path. Instead the zygote keeps forked children *standing by* per device (``("standby",
+device, count)``): each creates its device's context (``sits.engine.device_init``) and page-locks
+the host weights it inherited, then reports ready and waits. A ``fork`` for that device (and no
+extra environment) is handed to a ready one, with the instance's listening socket passed over a
+socketpair, and a replacement is forked behind it once the reply is sent. Standbys are forked again
+whenever the preloaded models change, so they inherit every one. A device whose standbys keep dying
+before they are used gets none (its starts fork as before).
 
 Protocol (frames of ``sits.runtime.wire`` over a Unix socket, one client): ``("preload",
 engine_config_dict)`` (no reply); ``("fork", address, engine_config_dict, {"token": ...})`` →
-``("forked", pid, address)`` or ``("fork_failed", message)`` (``address``: a socket path, or
-``tcp://HOST:0`` for an instance reached from another node: the port it got comes back); the
-zygote reaps its children and reports ``("exited", pid, code)``. With ``SITS_DIE_WITH_PARENT`` set
-(a Ray node's agent sets it), the zygote and its children die with their parent.
+``("forked", pid, address, {"standby": bool})`` or ``("fork_failed", message)`` (``address``: a
+socket path, or ``tcp://HOST:0`` for an instance reached from another node: the port it got comes
+back); ``("standby", device, count)`` (no reply; the zygote reports ``("standby_ready", pid,
+device)`` and ``("standby_gone", pid)``); the zygote reaps its children and reports ``("exited", pid,
+code)``. With ``SITS_DIE_WITH_PARENT`` set (a Ray node's agent sets it), the zygote and its children
+die with their parent.
 
     python -m sits.runtime.zygote --socket PATH
 """
@@ -26,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import pickle
 import select
 import shutil
 import signal
@@ -35,6 +48,8 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
+from dataclasses import dataclass
 
 from sits.runtime.instance_worker import bound_address, listen_on
 from sits.runtime.wire import FrameDecoder, encode, read_frame, send_blocking
@@ -55,20 +70,23 @@ _MODELS: dict[tuple, object] = {}     # PreloadedModel by (model dir, dtype, max
 
 
 def _preloaded(cfg_dict: dict):
-    """The cached PreloadedModel for this config (built now if missing), or None (GPU, or it failed)."""
+    """The cached PreloadedModel for this config (built now if missing), or None (int8 for a GPU, whose
+    weights are quantized on the device, or it failed)."""
     from sits.engine.config import EngineConfig, resolve_device
     from sits.engine.llm_engine import PreloadedModel
     try:
         cfg = EngineConfig(**cfg_dict)
-        if resolve_device(cfg.device).type != "cpu":
+        on_cpu = resolve_device(cfg.device).type == "cpu"
+        if not on_cpu and cfg.quantization is not None:
             return None
         key = PreloadedModel.key(cfg)
         if key not in _MODELS:
             pre = PreloadedModel.load(cfg)
-            import torch
-            with torch.inference_mode():   # one-time operator set-up, inherited by every fork
-                for n in (1, 16):
-                    pre.model.forward_dense(torch.zeros(1, n, dtype=torch.long))
+            if on_cpu:
+                import torch
+                with torch.inference_mode():   # one-time operator set-up, inherited by every fork
+                    for n in (1, 16):
+                        pre.model.forward_dense(torch.zeros(1, n, dtype=torch.long))
             _MODELS[key] = pre
         return _MODELS[key]
     except Exception as e:  # noqa: BLE001 - the child loads (and reports the error) itself
@@ -97,8 +115,8 @@ def _forget(cfg_dict: dict) -> None:
     gc.collect()
 
 
-def _child(sock_path: str, cfg: dict, fds_to_close: list[socket.socket], preloaded=None,
-           listener: socket.socket | None = None, token: str | None = None) -> None:
+def _as_child(fds_to_close: list[socket.socket]) -> None:
+    """A forked child's set-up: the zygote's sockets closed, default signals, dies with its parent."""
     for s in fds_to_close:
         s.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -106,14 +124,16 @@ def _child(sock_path: str, cfg: dict, fds_to_close: list[socket.socket], preload
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     if os.environ.get(DIE_WITH_PARENT):
         die_with_parent()
+
+
+def _run_child(body) -> None:
+    """Run ``body()`` (an exit code) and exit: a child must never return into the zygote's loop."""
     code = 1
     try:
-        from sits.runtime.instance_worker import serve_instance
-        code = serve_instance(cfg, sock_path, preloaded, listener, token)
+        code = body()
     except (BrokenPipeError, ConnectionResetError):
         code = 0
-    except BaseException:  # noqa: BLE001 - the child must never return into the zygote's loop
-        import traceback
+    except BaseException:  # noqa: BLE001 - reported on stderr, then the child exits
         traceback.print_exc()
     finally:
         sys.stdout.flush()
@@ -121,8 +141,186 @@ def _child(sock_path: str, cfg: dict, fds_to_close: list[socket.socket], preload
         os._exit(code)
 
 
+def _child(sock_path: str, cfg: dict, fds_to_close: list[socket.socket], preloaded=None,
+           listener: socket.socket | None = None, token: str | None = None) -> None:
+    _as_child(fds_to_close)
+    from sits.runtime.instance_worker import serve_instance
+    _run_child(lambda: serve_instance(cfg, sock_path, preloaded, listener, token))
+
+
+def _inherited(cfg_dict: dict):
+    """The PreloadedModel this process inherited for ``cfg_dict``, if any (never built here)."""
+    from sits.engine.config import EngineConfig
+    from sits.engine.llm_engine import PreloadedModel
+    try:
+        return _MODELS.get(PreloadedModel.key(EngineConfig(**cfg_dict)))
+    except Exception:  # noqa: BLE001 - the instance reports a config that does not build
+        return None
+
+
+def _stand_by(device: str, assignment: socket.socket) -> int:
+    """A standby's life: create the device's context, page-lock the host weights it inherited for that
+    kind of device (so a start's copies to the device need no staging), say it is ready, wait for a
+    start (or the zygote's end), serve it."""
+    from sits.engine.config import resolve_device
+    from sits.engine.device_init import init_device
+    from sits.engine.host_weights import pin_in_place
+    dev = resolve_device(device)
+    t0 = time.perf_counter()
+    init_device(dev)
+    if dev.type == "cuda":
+        t1 = time.perf_counter()
+        pinned = pin_in_place([pre.host_region.tensor for pre in _MODELS.values() if pre.host_region is not None])
+        print(f"zygote: standby {os.getpid()} for {device}: context in {(t1 - t0) * 1e3:.0f} ms; "
+              f"{pinned / 2**20:.0f} MiB of host weights page-locked in {(time.perf_counter() - t1) * 1e3:.0f} ms",
+              file=sys.stderr, flush=True)
+    assignment.send(b"ready")
+    msg, fds, _, _ = socket.recv_fds(assignment, 1 << 20, 1)
+    if not msg:
+        return 0                            # retired, or the zygote is gone
+    requested_at = time.monotonic()
+    assignment.close()
+    sock_path, cfg, token = pickle.loads(msg)
+    listener = socket.socket(fileno=fds[0])
+    from sits.runtime.instance_worker import serve_instance
+    return serve_instance(cfg, sock_path, _inherited(cfg), listener, token, start_requested_at=requested_at)
+
+
+@dataclass(slots=True)
+class _Standby:
+    pid: int
+    device: str
+    sock: socket.socket          # the zygote's end of the pair: "ready" comes up it, a start goes down
+    ready: bool = False          # its device is set up: a start handed to it skips that
+
+
+STANDBY_FAILURES_MAX = 3       # standbys of a device that died unused in a row before it gets none
+
+
+class _Standbys:
+    """The standby processes the zygote keeps, per device. ``report(msg)`` tells the gateway which
+    are ready (``("standby_ready", pid, device)``) and which are gone (``("standby_gone", pid)``)."""
+
+    def __init__(self, keep_closed: list[socket.socket], report):
+        self.keep_closed = keep_closed        # the zygote's own sockets, closed in every child
+        self.report = report
+        self.targets: dict[str, int] = {}
+        self.live: dict[int, _Standby] = {}
+        self.retired: set[int] = set()        # told to go, not reaped yet
+        self.failures: dict[str, int] = {}
+
+    def sockets(self) -> list[socket.socket]:
+        return [s.sock for s in self.live.values()]
+
+    def set_target(self, device: str, count: int) -> None:
+        self.targets[device] = count
+        self.failures.pop(device, None)
+        self.top_up()
+
+    def top_up(self) -> None:
+        for device, want in self.targets.items():
+            have = [s for s in self.live.values() if s.device == device]
+            for s in have[want:]:
+                self.retire(s)
+            if self.failures.get(device, 0) >= STANDBY_FAILURES_MAX:
+                continue
+            for _ in range(want - len(have)):
+                self._fork(device)
+
+    def _fork(self, device: str) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            pid = os.fork()
+        except OSError as e:
+            print(f"zygote: cannot fork a standby for {device}: {e}", file=sys.stderr)
+            ours.close()
+            theirs.close()
+            return
+        if pid == 0:
+            _as_child(self.keep_closed + self.sockets() + [ours])
+            _run_child(lambda: _stand_by(device, theirs))
+        theirs.close()
+        self.live[pid] = _Standby(pid, device, ours)
+
+    def _drop(self, s: _Standby) -> None:
+        self.live.pop(s.pid, None)
+        s.sock.close()
+        if s.ready:
+            self.report(("standby_gone", s.pid))
+
+    def retire(self, s: _Standby) -> None:
+        """Tell it to go (its end of the pair closes; it is reaped like any child)."""
+        self._drop(s)
+        self.retired.add(s.pid)
+
+    def renew(self) -> None:
+        """Fork them all again (the preloaded models changed: new ones must inherit them)."""
+        for s in list(self.live.values()):
+            self.retire(s)
+        self.top_up()
+
+    def heard(self, sock: socket.socket) -> None:
+        """A standby's socket is readable: it is ready (or gone: its exit is reaped)."""
+        s = next((x for x in self.live.values() if x.sock is sock), None)
+        if s is None:
+            return
+        try:
+            said = sock.recv(16)
+        except OSError:
+            said = b""
+        if said == b"ready" and not s.ready:
+            s.ready = True
+            self.report(("standby_ready", s.pid, s.device))
+
+    def hand_over(self, device: str, sock_path: str, cfg: dict, token: str | None) -> tuple[int, str] | None:
+        """Give a start to a ready standby of ``device``: ``(pid, address)``, or None (none is ready:
+        the start forks; one still setting its device up might take longer than that). No replacement
+        is forked here: the caller replies first, then ``top_up()``."""
+        for s in [s for s in self.live.values() if s.device == device and s.ready]:
+            listener = None
+            try:
+                listener = listen_on(sock_path)
+                address = bound_address(listener, sock_path)
+                socket.send_fds(s.sock, [pickle.dumps((address, cfg, token))], [listener.fileno()])
+            except OSError:                  # it is gone (its exit is reaped); the next one, or a fork
+                if listener is not None:
+                    listener.close()
+                    if not sock_path.startswith("tcp://"):
+                        try:
+                            os.unlink(sock_path)
+                        except OSError:
+                            pass
+                self._drop(s)
+                continue
+            listener.close()
+            self._drop(s)                    # an instance now
+            self.failures.pop(device, None)
+            return s.pid, address
+        return None
+
+    def pids(self) -> list[int]:
+        return [*self.live, *self.retired]
+
+    def reaped(self, pid: int) -> None:
+        """A standby exited: one that had not been told to go counts against its device."""
+        if pid in self.retired:
+            self.retired.discard(pid)
+            return
+        s = self.live.get(pid)
+        if s is None:
+            return
+        self._drop(s)
+        self.failures[s.device] = self.failures.get(s.device, 0) + 1
+        if self.failures[s.device] >= STANDBY_FAILURES_MAX:
+            print(f"zygote: standbys for {s.device} keep exiting; its starts fork instead", file=sys.stderr)
+        self.top_up()
+
+
 def serve_zygote(control_path: str) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # a device "auto" resolved here asks NVML, not the CUDA driver: a driver initialised before a fork
+    # is not usable in the child
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     if os.environ.get(DIE_WITH_PARENT):
         die_with_parent()
     preload_ms = preload()
@@ -136,22 +334,36 @@ def serve_zygote(control_path: str) -> int:
     send_blocking(conn, ("hello", {"pid": os.getpid(), "preload_ms": round(preload_ms, 1)}))
     decoder = FrameDecoder()
     children: set[int] = set()
+    standbys = _Standbys([conn, listener], lambda msg: send_blocking(conn, msg))
     while True:
-        readable, _, _ = select.select([conn], [], [], 0.2)
-        if readable:
+        readable, _, _ = select.select([conn, *standbys.sockets()], [], [], 0.2)
+        for sock in readable:
+            if sock is not conn:
+                standbys.heard(sock)
+        if conn in readable:
             data = conn.recv(1 << 16)
             if not data:
                 break                       # the gateway is gone: so are we (children see their own EOF)
             for msg in decoder.feed(data):
+                models = set(_MODELS)
                 if msg[0] == "preload":
                     _preloaded(msg[1])
                 elif msg[0] == "forget":        # its unit is gone: children that use it keep their copy
                     _forget(msg[1])
+                elif msg[0] == "standby":
+                    standbys.set_target(msg[1], msg[2])
                 elif msg[0] == "fork":
                     _, sock_path, cfg, *opts = msg
                     token = opts[0].get("token") if opts else None
                     child_env = (opts[0].get("env") or {}) if opts else {}
                     pre = _preloaded(cfg)
+                    if set(_MODELS) == models and not child_env:    # a standby has everything a fork would
+                        handed = standbys.hand_over(str(cfg.get("device")), sock_path, cfg, token)
+                        if handed is not None:
+                            children.add(handed[0])
+                            send_blocking(conn, ("forked", *handed, {"standby": True}))
+                            standbys.top_up()        # a replacement, after the reply (a fork takes time)
+                            continue
                     try:
                         inst_listener = listen_on(sock_path)
                         address = bound_address(inst_listener, sock_path)
@@ -161,21 +373,26 @@ def serve_zygote(control_path: str) -> int:
                         continue
                     if pid == 0:
                         os.environ.update(child_env)
-                        _child(address, cfg, [conn, listener], pre, inst_listener, token)
+                        _child(address, cfg, [conn, listener] + standbys.sockets(), pre, inst_listener, token)
                     inst_listener.close()
                     children.add(pid)
-                    send_blocking(conn, ("forked", pid, address))
+                    send_blocking(conn, ("forked", pid, address, {"standby": False}))
                 elif msg[0] == "shutdown":
                     return 0
-        for pid in list(children):
+                if set(_MODELS) != models:
+                    standbys.renew()             # forked again, to inherit what is preloaded now
+        for pid in [*children, *standbys.pids()]:
             try:
                 done, status = os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
-                children.discard(pid)
+                done, status = pid, 0
+            if not done:
                 continue
-            if done:
+            if pid in children:
                 children.discard(pid)
                 send_blocking(conn, ("exited", pid, os.waitstatus_to_exitcode(status)))
+            else:
+                standbys.reaped(pid)
     return 0
 
 
@@ -187,6 +404,7 @@ class ForkedProcess:
         self.pid = pid
         self.address = address
         self.returncode: int | None = None
+        self.standby = False         # handed to a standby process (its device was ready) rather than forked
         self._exited = threading.Event()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._lock = threading.Lock()
@@ -240,6 +458,8 @@ class ZygoteClient:
         self._sock_dir = sock_dir
         self._pending: asyncio.Queue = asyncio.Queue()       # fork replies, in order
         self._children: dict[int, ForkedProcess] = {}
+        self.standbys: dict[int, str] = {}              # ready standby processes: pid -> device
+        self._standby_changed = asyncio.Event()
         self._lock = asyncio.Lock()
         self.alive = True
         self._task = asyncio.get_running_loop().create_task(self._read_loop(), name="zygote-reader")
@@ -277,6 +497,28 @@ class ZygoteClient:
         if self.alive:
             self._writer.write(encode(("preload", cfg)))
 
+    def standby(self, device: str, count: int) -> None:
+        """Keep ``count`` processes standing by for starts on ``device`` (its context made)."""
+        if self.alive:
+            self._writer.write(encode(("standby", device, count)))
+
+    def ready_standbys(self, device: str) -> int:
+        return sum(1 for d in self.standbys.values() if d == device)
+
+    async def wait_standbys(self, device: str, count: int, timeout_s: float) -> bool:
+        """Until ``count`` standbys of ``device`` are ready (False: not within ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while self.ready_standbys(device) < count:
+            self._standby_changed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.alive:
+                return False
+            try:
+                await asyncio.wait_for(self._standby_changed.wait(), left)
+            except TimeoutError:
+                return False
+        return True
+
     def forget(self, cfg: dict) -> None:
         """Have the zygote drop this model (its unit was undeployed)."""
         if self.alive:
@@ -297,6 +539,7 @@ class ZygoteClient:
         if reply[0] != "forked":
             raise RuntimeError(f"zygote could not fork: {reply[1]}")
         child = ForkedProcess(reply[1], reply[2])
+        child.standby = bool(len(reply) > 3 and reply[3].get("standby"))
         self._children[child.pid] = child
         return child
 
@@ -312,6 +555,11 @@ class ZygoteClient:
                     child = self._children.pop(msg[1], None)
                     if child is not None:
                         child._set_exit(msg[2])
+                elif msg[0] == "standby_ready":
+                    self.standbys[msg[1]] = msg[2]
+                    self._standby_changed.set()
+                elif msg[0] == "standby_gone":
+                    self.standbys.pop(msg[1], None)
                 else:
                     self._pending.put_nowait(msg)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):

@@ -1,0 +1,111 @@
+"""A GPU model's weights kept in host memory between its engines' starts, ready to be copied.
+
+The weights live in one region: an anonymous *shared* mapping (``memfd_create``, ``MAP_SHARED``)
+holding every parameter and buffer. A fork shares those pages rather than copying them on write,
+and a process that page-locks the region (``cudaHostRegister``, so the device reads it by DMA
+with no staging) pins the very pages its parent holds. Were the weights in private memory, Linux
+would give the pinning process its own copy of each page first (a long-term pin of a page shared
+copy-on-write unshares it), so every standby process would hold the model again.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import torch
+from torch import nn
+
+ALIGN = 256                               # bytes: each tensor's offset in the region
+HOST_REGISTER_READ_ONLY = 0x08            # cudaHostRegisterReadOnly: the device only reads it
+_PINNED: list[tuple[int, int]] = []       # host ranges this process page-locked in place (start, end)
+
+
+class SharedHostRegion:
+    """``nbytes`` of anonymous shared memory, as one uint8 tensor (kept alive with its mapping)."""
+
+    def __init__(self, nbytes: int, name: str = "sits-weights"):
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, max(nbytes, 1))
+            self.mapping = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.tensor = torch.frombuffer(self.mapping, dtype=torch.uint8)[:nbytes]
+        self.nbytes = nbytes
+
+    def contains(self, t: torch.Tensor) -> bool:
+        start = self.tensor.data_ptr()
+        return start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= start + self.nbytes
+
+
+def move_to_shared_region(model: nn.Module) -> SharedHostRegion:
+    """Every parameter and buffer of ``model`` copied into one new shared region, and the module
+    re-pointed at the copies (tensors shared between modules, as tied embeddings, stay shared)."""
+    tensors: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            if t is not None:
+                tensors.setdefault(id(t), t)
+    offsets, total = {}, 0
+    for key, t in tensors.items():
+        offsets[key] = total
+        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    region = SharedHostRegion(total)
+    moved: dict[int, torch.Tensor] = {}
+    for key, t in tensors.items():
+        n = t.numel() * t.element_size()
+        view = region.tensor[offsets[key]:offsets[key] + n].view(t.dtype).view(t.shape)
+        view.copy_(t.detach())
+        moved[key] = nn.Parameter(view, requires_grad=False) if isinstance(t, nn.Parameter) else view
+    for m in model.modules():
+        for slots in (m._parameters, m._buffers):
+            for name, t in list(slots.items()):
+                if t is not None:
+                    slots[name] = moved[id(t)]
+    return region
+
+
+def pin_in_place(tensors) -> int:
+    """Page-lock host tensors where they are (``cudaHostRegister``, read-only), so copies to the
+    device read them by DMA with no staging: a shared region's pages stay the ones every process
+    maps (see the module docstring). Needs this process's CUDA context; a range the driver refuses
+    stays unpinned (its copies are staged). Returns the bytes pinned."""
+    cudart = torch.cuda.cudart()
+    done, refused = 0, False
+    for t in tensors:
+        storage = t.untyped_storage()
+        start, n = storage.data_ptr(), storage.nbytes()
+        if n == 0 or any(a < start + n and start < b for a, b in _PINNED):
+            continue
+        if int(cudart.cudaHostRegister(start, n, HOST_REGISTER_READ_ONLY)) == 0:
+            _PINNED.append((start, start + n))
+            done += n
+        else:
+            refused = True
+    if refused:
+        _clear_cuda_error()
+    return done
+
+
+def _clear_cuda_error() -> None:
+    """A refused ``cudaHostRegister`` stays CUDA's last error, which torch raises at its next kernel
+    launch; one launch here takes it (and its error) instead."""
+    try:
+        torch.empty(1, device=torch.device("cuda", torch.cuda.current_device())).fill_(0)
+    except RuntimeError:
+        pass
+
+
+def unpin_all() -> None:
+    """Undo ``pin_in_place`` (before the memory is freed, or its range could be taken for pinned)."""
+    cudart = torch.cuda.cudart()
+    for start, _ in _PINNED:
+        cudart.cudaHostUnregister(start)
+    _PINNED.clear()
+
+
+def is_pinned_in_place(t: torch.Tensor) -> bool:
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    return any(a <= start and end <= b for a, b in _PINNED)
