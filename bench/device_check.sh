@@ -18,10 +18,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The engine's imports beyond torch, numpy, safetensors, tokenizers, jinja2, xxhash and attrs
-# (versions as pinned by this project's lock of the day; cp312 wheels for x86-64 Linux).
+# The engine's imports beyond torch, numpy, safetensors, tokenizers, jinja2, xxhash and attrs, and the
+# zygote's and instance client's (msgspec, pydantic) for `sits bench standby` (versions as pinned by
+# this project's lock of the day; cp312 wheels for x86-64 Linux).
 WHEELS=(llguidance==1.9.1 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0
-        rpds-py==2026.9.1)
+        rpds-py==2026.9.1 msgspec==0.23.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
+        typing-inspection==0.4.5 typing-extensions==4.16.0)
 
 case "${1:-run}" in
 fetch)
@@ -43,7 +45,10 @@ run)
         export PYTHONPATH="/tmp/site:$PWD"
     fi
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
-      "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'; } \
+      "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())' || true
+      # what the gateway budgets each GPU from: NVML, read without a CUDA context
+      "$PY" -c 'from sits.runtime.device_memory import gpu_memory as g; print("nvml (free, total) bytes:", g())' \
+          || true; } \
         2>&1 | tee "$OUT/host.txt"
     status=0
     # everything within DEVICE_CHECK_SECONDS (default 500: the device's per-command limit is 600); a
@@ -52,7 +57,7 @@ run)
     left() { echo $((deadline - SECONDS - 15)); }
     # 1. correctness on the device: the CUDA tests (paged kernels, decode graphs, sampling on the device)
     #    and the CPU parity tests against this host's transformers
-    SITS_TEST_DEVICE="$DEV" timeout 180 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py \
+    SITS_TEST_DEVICE="$DEV" timeout 240 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py \
         tests/test_model_parity.py 2>&1 | tee "$OUT/tests.log" || status=1
     # 2. models: the presets, and a random checkpoint shaped like Llama-3.2-1B (weights drawn on the GPU);
     #    a dry run uses the tiny preset for all three
@@ -88,6 +93,9 @@ for preset in ("small", "base"): b(f"/tmp/sits-{preset}", preset=preset, seed=0,
     #    (the HTTP stack's packages are not on the GPU image), against a fresh transformers process
     bench coldstart_llama1b_bf16 100 coldstart --model "$L1B" --device "$DEV" --dtype bfloat16 --no-server \
         --warmup false --repeats 2
+    # 4b. an instance start from the runtime's zygote: forked vs handed to a standby process (its CUDA
+    #     context made before the start is asked for), alternating
+    bench standby_llama1b_bf16 70 standby --model "$L1B" --device "$DEV" --dtype bfloat16 --repeats 2
     # 5. bursty PF-SD vs FCFS and the prefix cache, with the GPU's 2048-token step budget
     bench engine_base_bf16 110 engine --model "$BASE" --device "$DEV" --dtype bfloat16 --only bursty \
         --only prefix --repeats 1 ${DEVICE_CHECK_QUICK:+--quick}
@@ -96,6 +104,18 @@ for preset in ("small", "base"): b(f"/tmp/sits-{preset}", preset=preset, seed=0,
     # 7. fp32 on the small preset (the issue's first figures were fp32)
     bench step_small_fp32 60 step --model "$SMALL" --device "$DEV" --dtype float32 --batch-sizes 1,32 \
         --repeats 1
+    # 8. the Llama-3.1-8B shape when time is left (16 GB written, then read into the zygote's host copy):
+    #    an instance start from host RAM, forked vs standby
+    if [ -z "${DEVICE_CHECK_QUICK:-}" ]; then
+        if [ "$(left)" -ge 240 ]; then
+            { "$PY" -m sits.cli model build-shaped /tmp/sits-llama8b --shape llama-3.1-8b --device "$DEV" 2>&1 \
+                | tee "$OUT/models8b.log" && \
+              bench standby_llama8b_bf16 170 standby --model /tmp/sits-llama8b --device "$DEV" --dtype bfloat16 \
+                  --repeats 1; } || status=1
+        else
+            echo "llama-3.1-8b build and standby bench: skipped, $(left)s left" | tee -a "$OUT/skipped.txt"
+        fi
+    fi
     # one JSON and one markdown for everything
     "$PY" - "$OUT" <<'PY'
 import json, pathlib, sys
