@@ -41,8 +41,13 @@ run)
     mkdir -p "$OUT"
     export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
     if compgen -G ".whl/*.whl" >/dev/null; then
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-        export PYTHONPATH="/tmp/site:$PWD"
+        # (cp312 wheels: a dry run on another python has its own packages, and says so)
+        if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+                .whl/*.whl 2>"$OUT/wheels.log"; then
+            export PYTHONPATH="/tmp/site:$PWD"
+        else
+            echo "wheels from .whl not installed (see wheels.log)"
+        fi
     fi
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
       "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())' || true

@@ -112,6 +112,9 @@ def test_each_gpu_is_budgeted_apart_from_the_host(tiny_model_dir, tmp_path):
         assert r.status_code >= 500
         events = _events(srv, "small-gpu")
         assert any(e["event"] == "instance_failed" for e in events), [e["event"] for e in events]
+        # no more retries (each would reserve again while it runs), then nothing is left reserved
+        assert httpx.post(f"{srv.url}/v1/units/small-gpu/scale", json={"instances": 0}).status_code == 200
+        wait_for(lambda: httpx.get(f"{srv.url}/v1/units/small-gpu").json()["instances"] == [], what="no instance")
         status = httpx.get(f"{srv.url}/v1/status").json()
         assert status["device_memory"]["cuda:0"]["by_unit_mb"] == {"(standby)": CUDA_CONTEXT_BYTES / MIB}
         assert status["memory"]["by_unit_mb"] == host_before
@@ -133,3 +136,20 @@ def test_gpu_memory_is_read_without_a_cuda_context():
     gpus = gpu_memory()                                      # {} on a host without the NVIDIA driver
     assert all(k.startswith("cuda:") and 0 <= free <= total for k, (free, total) in gpus.items())
     assert device_key("cuda") == "cuda:0" and device_key("cuda:1") == "cuda:1"
+
+
+def test_a_gpu_units_host_copy_must_fit_the_hosts_budget(tiny_model_dir, tmp_path):
+    """The zygote keeps a GPU unit's weights in host memory between starts: a unit whose copy cannot
+    fit the host's budget is refused at deploy, like a CPU unit's weights."""
+    spec = unit("gpu", tiny_model_dir)
+    spec = UnitSpec.model_validate(spec.model_dump() | {"resources": spec.resources.model_dump() | {"device": "cuda:0"}})
+    weights = sum(p.stat().st_size for p in Path(tiny_model_dir).glob("*.safetensors"))
+    gw = Gateway(tmp_path, tick_s=0.2, memory_budget_mb=weights / 8 / MIB, gpu_memory_mb=3000)
+    app = build_gateway_app(gw, [], ServerSettings(drain_grace_s=0.5))
+    srv = start_server(app, server_cls=DrainingServer, app=app, grace_s=0.5)
+    try:
+        r = httpx.post(f"{srv.url}/v1/units", json=spec.model_dump())
+        assert r.status_code == 400 and r.json()["error"]["code"] == "insufficient_memory"
+        assert "kept in host memory" in r.json()["error"]["message"]
+    finally:
+        srv.stop()

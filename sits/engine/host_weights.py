@@ -31,6 +31,10 @@ class SharedHostRegion:
             self.mapping = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+        try:        # 2 MiB pages where the kernel gives them to shared memory: fewer faults when a fork reads it
+            self.mapping.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):
+            pass
         self.tensor = torch.frombuffer(self.mapping, dtype=torch.uint8)[:nbytes]
         self.nbytes = nbytes
 
@@ -78,10 +82,12 @@ def pin_in_place(tensors) -> int:
         start, n = storage.data_ptr(), storage.nbytes()
         if n == 0 or any(a < start + n and start < b for a, b in _PINNED):
             continue
-        if int(cudart.cudaHostRegister(start, n, HOST_REGISTER_READ_ONLY)) == 0:
-            _PINNED.append((start, start + n))
-            done += n
-        else:
+        # read-only where the device supports it; else plain (a shared region's pages are not copied either way)
+        for flags in (HOST_REGISTER_READ_ONLY, 0):
+            if int(cudart.cudaHostRegister(start, n, flags)) == 0:
+                _PINNED.append((start, start + n))
+                done += n
+                break
             refused = True
     if refused:
         _clear_cuda_error()
@@ -97,12 +103,15 @@ def _clear_cuda_error() -> None:
         pass
 
 
-def unpin_all() -> None:
-    """Undo ``pin_in_place`` (before the memory is freed, or its range could be taken for pinned)."""
+def unpin_all(keep=()) -> None:
+    """Undo ``pin_in_place`` (before the memory is freed, or its range could be taken for pinned),
+    except for the storages of the tensors in ``keep``."""
     cudart = torch.cuda.cudart()
-    for start, _ in _PINNED:
-        cudart.cudaHostUnregister(start)
-    _PINNED.clear()
+    kept = {t.untyped_storage().data_ptr() for t in keep}
+    for start, end in list(_PINNED):
+        if start not in kept:
+            cudart.cudaHostUnregister(start)
+            _PINNED.remove((start, end))
 
 
 def is_pinned_in_place(t: torch.Tensor) -> bool:

@@ -22,9 +22,8 @@ import numpy as np
 from sits.engine.errors import InvalidRequestError, SitsError
 from sits.memory.ingest import ingest_dir
 from sits.memory.vectors import EmbedderUnavailableError, off_loop, open_memory_store
-from sits.engine.config import resolve_device
 from sits.runtime.host_fit import available_memory_bytes
-from sits.runtime.device_memory import CUDA_CONTEXT_BYTES, device_key, gpu_memory
+from sits.runtime.device_memory import CUDA_CONTEXT_BYTES, gpu_memory
 from sits.runtime.memory_ledger import MemoryLedger
 from sits.runtime.unit_spec import UnitSpec
 from sits.runtime.hints import RequestHints
@@ -179,7 +178,7 @@ class Gateway:
             await self.undeploy(spec.name, persist=False)
         self.units[spec.name] = backend
         if spec.kind == "local" and self.cluster is not None:
-            self.cluster.preload(asdict(spec.engine_config()))
+            self.cluster.preload(self._node_config(spec))
         elif spec.kind == "local" and self.zygote is not None and self.zygote.alive:
             self._hold_preloaded(backend)
             self.zygote.preload(asdict(spec.engine_config()))
@@ -198,22 +197,27 @@ class Gateway:
         self.record(spec.name, "deployed", {"kind": spec.kind, "model": backend.root})
         return backend
 
+    @staticmethod
+    def _node_config(spec: UnitSpec) -> dict:
+        """A unit's engine config as its instances get it on a Ray node (the device their placement
+        gives them), so the node's zygote preloads the model those forks will look for."""
+        from sits.runtime.ray_cluster import Placement
+        return Placement.of(spec).engine_config(asdict(spec.engine_config()))
+
     def _sync_standbys(self) -> None:
         """The zygote keeps, per device, as many standby processes as the units on it ask for (the most)."""
         if self.zygote is None or not self.zygote.alive:
             return
         want: dict[str, int] = {}
         for u in self.units.values():
-            if isinstance(u, UnitBackend):
-                device = u.spec.resources.device
-                want[device] = max(want.get(device, 0), u.spec.standby_processes())
+            if isinstance(u, UnitBackend):        # one set per device however its units spell it
+                want[u.device] = max(want.get(u.device, 0), u.spec.standby_processes())
         for device in sorted(set(want) | set(self._standbys)):
             n = want.get(device, 0)
             if n == self._standbys.get(device, 0):
                 continue
             self.zygote.standby(device, n)
-            key = device_key(str(resolve_device(device)))
-            ledger = self.device_ledgers.get(key) if key.startswith("cuda") else None
+            ledger = self.device_ledgers.get(device) if device.startswith("cuda") else None
             if ledger is not None:            # each standby holds a CUDA context on its GPU
                 ledger.release(f"standby:{device}")
                 if n:
@@ -263,7 +267,7 @@ class Gateway:
             self._release_preloaded(backend)
             self._sync_standbys()
         if self.cluster is not None and backend.spec.kind == "local":
-            self.cluster.forget(asdict(backend.spec.engine_config()))
+            self.cluster.forget(self._node_config(backend.spec))
         self.record(name, "deleted", {})
         return True
 
@@ -371,6 +375,9 @@ class Gateway:
             return
         group = self._weights_group(unit) if ledger is self.ledger else None
         held = ledger.kept - (ledger.held(group) if group is not None and ledger.holds(group) else 0)
+        if ledger is not self.ledger:          # the standbys its deploy will ask for, if more than now
+            held += max(0, unit.spec.standby_processes() * CUDA_CONTEXT_BYTES - ledger.held(f"standby:{unit.device}"))
+            self._refuse_host_copy_over_budget(unit)
         need = unit.weight_bytes + unit.device_reserve_bytes + unit.kv_bytes
         if held + need > ledger.capacity:
             if unit.device_reserve_bytes:
@@ -382,6 +389,19 @@ class Gateway:
             raise InvalidRequestError(
                 f"unit {unit.name}: its weights and one instance's KV pool ({need / 2**20:.0f} MiB) do not fit "
                 f"{what} or make resources.kv_cache_mb smaller", param="resources", code="insufficient_memory")
+
+    def _refuse_host_copy_over_budget(self, unit: UnitBackend) -> None:
+        """A GPU unit's weights are kept in host memory by the zygote: they must fit the host's budget
+        beside what it keeps already (unless another unit of that model keeps them there)."""
+        ledger, group = self.ledger, self._weights_group(unit)
+        if ledger is None or group is None or ledger.holds(group):
+            return
+        if ledger.kept + unit.weight_bytes > ledger.capacity:
+            raise InvalidRequestError(
+                f"unit {unit.name}: its weights ({unit.weight_bytes / 2**20:.0f} MiB), kept in host memory between its "
+                f"GPU instances' starts, do not fit this host's memory budget ({ledger.capacity / 2**20:.0f} MiB) "
+                f"beside what the zygote keeps ({ledger.kept / 2**20:.0f} MiB): raise --memory-budget-mb",
+                param="resources", code="insufficient_memory")
 
     def _release_preloaded(self, unit: UnitBackend) -> None:
         """The last deployed unit of a weights group is gone: the zygote drops the model."""

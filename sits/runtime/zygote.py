@@ -182,8 +182,14 @@ def _stand_by(device: str, assignment: socket.socket) -> int:
     assignment.close()
     sock_path, cfg, token = pickle.loads(msg)
     listener = socket.socket(fileno=fds[0])
+    pre = _inherited(cfg)
+    for key in [k for k, m in _MODELS.items() if m is not pre]:     # other units' weights: not this instance's
+        del _MODELS[key]
+    if dev.type == "cuda":
+        from sits.engine.host_weights import unpin_all
+        unpin_all(keep=[pre.host_region.tensor] if pre is not None and pre.host_region is not None else [])
     from sits.runtime.instance_worker import serve_instance
-    return serve_instance(cfg, sock_path, _inherited(cfg), listener, token, start_requested_at=requested_at)
+    return serve_instance(cfg, sock_path, pre, listener, token, start_requested_at=requested_at)
 
 
 @dataclass(slots=True)
@@ -249,9 +255,14 @@ class _Standbys:
             self.report(("standby_gone", s.pid))
 
     def retire(self, s: _Standby) -> None:
-        """Tell it to go (its end of the pair closes; it is reaped like any child)."""
+        """End it (it serves nothing; killed rather than told, so one still setting up a device stops
+        now instead of holding a context a while longer); it is reaped like any child."""
         self._drop(s)
         self.retired.add(s.pid)
+        try:
+            os.kill(s.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def renew(self) -> None:
         """Fork them all again (the preloaded models changed: new ones must inherit them)."""
@@ -276,26 +287,31 @@ class _Standbys:
         """Give a start to a ready standby of ``device``: ``(pid, address)``, or None (none is ready:
         the start forks; one still setting its device up might take longer than that). No replacement
         is forked here: the caller replies first, then ``top_up()``."""
-        for s in [s for s in self.live.values() if s.device == device and s.ready]:
-            listener = None
+        ready = [s for s in self.live.values() if s.device == device and s.ready]
+        if not ready:
+            return None
+        try:
+            listener = listen_on(sock_path)
+        except OSError:
+            return None                      # the fork path reports it
+        address = bound_address(listener, sock_path)
+        try:
+            for s in ready:
+                try:
+                    socket.send_fds(s.sock, [pickle.dumps((address, cfg, token))], [listener.fileno()])
+                except OSError:              # it died since it said ready: the next one
+                    self.retire(s)
+                    continue
+                self._drop(s)                # an instance now
+                self.failures.pop(device, None)
+                return s.pid, address
+        finally:
+            listener.close()                 # the standby has its own copy
+        if not sock_path.startswith("tcp://"):
             try:
-                listener = listen_on(sock_path)
-                address = bound_address(listener, sock_path)
-                socket.send_fds(s.sock, [pickle.dumps((address, cfg, token))], [listener.fileno()])
-            except OSError:                  # it is gone (its exit is reaped); the next one, or a fork
-                if listener is not None:
-                    listener.close()
-                    if not sock_path.startswith("tcp://"):
-                        try:
-                            os.unlink(sock_path)
-                        except OSError:
-                            pass
-                self._drop(s)
-                continue
-            listener.close()
-            self._drop(s)                    # an instance now
-            self.failures.pop(device, None)
-            return s.pid, address
+                os.unlink(sock_path)
+            except OSError:
+                pass
         return None
 
     def pids(self) -> list[int]:
@@ -314,6 +330,65 @@ class _Standbys:
         if self.failures[s.device] >= STANDBY_FAILURES_MAX:
             print(f"zygote: standbys for {s.device} keep exiting; its starts fork instead", file=sys.stderr)
         self.top_up()
+
+
+class _Shutdown(Exception):
+    """The gateway said ``shutdown``."""
+
+
+def _device_key(cfg: dict) -> str:
+    """The device a config's engine runs on, spelled as the gateway names standby targets."""
+    from sits.engine.config import resolve_device
+    from sits.runtime.device_memory import device_key
+    try:
+        return device_key(str(resolve_device(str(cfg.get("device", "auto")))))
+    except (RuntimeError, ValueError):
+        return str(cfg.get("device"))
+
+
+def _serve_message(msg: tuple, conn: socket.socket, listener: socket.socket, children: set[int],
+                   standbys: _Standbys, models: set) -> None:
+    """One message from the gateway (see the module docstring)."""
+    if msg[0] == "preload":
+        _preloaded(msg[1])
+    elif msg[0] == "forget":        # its unit is gone: children that use it keep their copy
+        _forget(msg[1])
+    elif msg[0] == "standby":
+        standbys.set_target(msg[1], msg[2])
+    elif msg[0] == "fork":
+        _, sock_path, cfg, *opts = msg
+        token = opts[0].get("token") if opts else None
+        child_env = (opts[0].get("env") or {}) if opts else {}
+        pre = _preloaded(cfg)
+        if set(_MODELS) == models and not child_env:    # a standby has everything a fork would
+            handed = standbys.hand_over(_device_key(cfg), sock_path, cfg, token)
+            if handed is not None:
+                children.add(handed[0])
+                send_blocking(conn, ("forked", *handed, {"standby": True}))
+                return
+        inst_listener = None
+        try:
+            inst_listener = listen_on(sock_path)
+            address = bound_address(inst_listener, sock_path)
+            pid = os.fork()
+        except OSError as e:
+            if inst_listener is not None:
+                inst_listener.close()
+                if not sock_path.startswith("tcp://"):
+                    try:
+                        os.unlink(sock_path)
+                    except OSError:
+                        pass
+            send_blocking(conn, ("fork_failed", str(e)))
+            return
+        if pid == 0:
+            os.environ.update(child_env)
+            _child(address, cfg, [conn, listener] + standbys.sockets(), pre, inst_listener, token)
+        inst_listener.close()
+        children.add(pid)
+        send_blocking(conn, ("forked", pid, address, {"standby": False}))
+    elif msg[0] == "shutdown":
+        raise _Shutdown
 
 
 def serve_zygote(control_path: str) -> int:
@@ -346,41 +421,13 @@ def serve_zygote(control_path: str) -> int:
                 break                       # the gateway is gone: so are we (children see their own EOF)
             for msg in decoder.feed(data):
                 models = set(_MODELS)
-                if msg[0] == "preload":
-                    _preloaded(msg[1])
-                elif msg[0] == "forget":        # its unit is gone: children that use it keep their copy
-                    _forget(msg[1])
-                elif msg[0] == "standby":
-                    standbys.set_target(msg[1], msg[2])
-                elif msg[0] == "fork":
-                    _, sock_path, cfg, *opts = msg
-                    token = opts[0].get("token") if opts else None
-                    child_env = (opts[0].get("env") or {}) if opts else {}
-                    pre = _preloaded(cfg)
-                    if set(_MODELS) == models and not child_env:    # a standby has everything a fork would
-                        handed = standbys.hand_over(str(cfg.get("device")), sock_path, cfg, token)
-                        if handed is not None:
-                            children.add(handed[0])
-                            send_blocking(conn, ("forked", *handed, {"standby": True}))
-                            standbys.top_up()        # a replacement, after the reply (a fork takes time)
-                            continue
-                    try:
-                        inst_listener = listen_on(sock_path)
-                        address = bound_address(inst_listener, sock_path)
-                        pid = os.fork()
-                    except OSError as e:
-                        send_blocking(conn, ("fork_failed", str(e)))
-                        continue
-                    if pid == 0:
-                        os.environ.update(child_env)
-                        _child(address, cfg, [conn, listener] + standbys.sockets(), pre, inst_listener, token)
-                    inst_listener.close()
-                    children.add(pid)
-                    send_blocking(conn, ("forked", pid, address, {"standby": False}))
-                elif msg[0] == "shutdown":
+                try:
+                    _serve_message(msg, conn, listener, children, standbys, models)
+                except _Shutdown:
                     return 0
                 if set(_MODELS) != models:
                     standbys.renew()             # forked again, to inherit what is preloaded now
+                standbys.top_up()                # replacements (after any reply: a fork takes time)
         for pid in [*children, *standbys.pids()]:
             try:
                 done, status = os.waitpid(pid, os.WNOHANG)
@@ -566,6 +613,8 @@ class ZygoteClient:
             pass
         finally:
             self.alive = False
+            self.standbys.clear()                   # they die with it (their end of the pair closes)
+            self._standby_changed.set()
             self._pending.put_nowait(RuntimeError("the zygote is gone"))
             for child in self._children.values():   # no one reaps them now; report them as unknown
                 if child.returncode is None:
