@@ -34,6 +34,7 @@ def test_quick_engine_bench_writes_json_and_docs(tiny_model_dir, tmp_path):
     assert docs.read_text().count(DOC_BEGIN) == 1          # the section is replaced, not appended
 
 
+@pytest.mark.slow       # a benchmark's smoke run: minutes of the fast suite on 2 cores (CI runs it)
 def test_serve_bench_against_a_running_server_writes_json_and_docs(serve_tiny, tmp_path):
     """`sits bench serve --url` on a live server: every level completes, overhead is measured per request."""
     from sits.bench import serve_bench
@@ -108,6 +109,7 @@ def test_sampler_bench_runs_every_variant_in_its_own_process(tmp_path):
     assert (tmp_path / "img" / "sampler_bench.png").stat().st_size > 1000
 
 
+@pytest.mark.slow       # a benchmark's smoke run: minutes of the fast suite on 2 cores (CI runs it)
 def test_dtype_bench_measures_each_dtype_against_fp32(tiny_model_dir, tmp_path):
     """`sits bench dtype`: every dtype measured in its own process; auto is reported as what it resolved to."""
     from sits.bench import dtype_bench
@@ -153,6 +155,7 @@ def test_fairness_bench_runs_both_variants(tiny_model_dir, tmp_path):
     assert fairness_bench.DOC_BEGIN in docs.read_text() and (tmp_path / "img" / "fairness_bench.png").exists()
 
 
+@pytest.mark.slow       # a benchmark's smoke run: minutes of the fast suite on 2 cores (CI runs it)
 def test_mesh_bench_compares_the_large_tier_directly_and_the_mesh(tiny_model_dir, tmp_path):
     """`sits bench mesh`: both phases run against real servers and the docs section has its table."""
     from sits.bench.mesh_bench import DOC_BEGIN as M_BEGIN, run_mesh_bench
@@ -166,6 +169,7 @@ def test_mesh_bench_compares_the_large_tier_directly_and_the_mesh(tiny_model_dir
     assert M_BEGIN in docs.read_text() and (tmp_path / "img" / "mesh_bench.png").stat().st_size > 1000
 
 
+@pytest.mark.slow       # a benchmark's smoke run: minutes of the fast suite on 2 cores (CI runs it)
 def test_ray_bench_compares_a_remote_node_with_the_local_host(tiny_model_dir, tmp_path):
     """`sits bench ray`: both gateways (local zygote, a Ray worker node) serve, and both transports are timed."""
     pytest.importorskip("ray")

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1700)          # the script's own deadline and caps bound it (about 5 min alone here)
 def test_the_device_check_script_runs_end_to_end_on_the_cpu(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, DEVICE_CHECK_DEVICE="cpu", DEVICE_CHECK_QUICK="1",
                DEVICE_CHECK_SECONDS="1500", DEVICE_CHECK_CAP_SCALE="5")     # caps sized for a GPU, not 2 busy cores
