@@ -66,5 +66,8 @@ def gpu_memory() -> dict[str, tuple[int, int]]:
 
 
 def device_key(device: str) -> str:
-    """``cuda`` and ``cuda:0`` are one device (the ledger's key)."""
-    return "cuda:0" if device == "cuda" else device
+    """The device a unit's ``device`` names, one spelling per device (``auto`` resolved; ``cuda`` and
+    ``cuda:0`` are one GPU): the key of its ledger and of its standby processes."""
+    from sits.engine.config import resolve_device
+    name = str(resolve_device(device))
+    return "cuda:0" if name == "cuda" else name

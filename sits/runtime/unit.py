@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from sits.engine.config import ModelConfig, activation_reserve_bytes, generation_defaults, resolve_device
+from sits.engine.config import ModelConfig, activation_reserve_bytes, generation_defaults
 from sits.engine.errors import InvalidRequestError, ModelLoadError, SitsError
 from sits.engine.lora import AdapterExistsError, AdapterNotFoundError, load_adapter
 from sits.engine.messages import EngineRequest, EngineStats, TokenEvent
@@ -99,7 +99,7 @@ class UnitBackend(FallbackGuard):
         self.weight_bytes = weight_bytes
         self.kv_bytes = self.footprint_bytes - weight_bytes
         # on a GPU an instance also holds a step's activations, kernels' workspaces and its CUDA context
-        self.device: str = device_key(str(resolve_device(spec.resources.device)))
+        self.device: str = device_key(spec.resources.device)
         self.device_reserve_bytes = 0
         if self.device.startswith("cuda"):
             dtype = torch.float32 if spec.resources.dtype == "float32" else torch.bfloat16

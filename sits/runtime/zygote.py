@@ -307,11 +307,7 @@ class _Standbys:
                 return s.pid, address
         finally:
             listener.close()                 # the standby has its own copy
-        if not sock_path.startswith("tcp://"):
-            try:
-                os.unlink(sock_path)
-            except OSError:
-                pass
+        _unlink_socket(sock_path)
         return None
 
     def pids(self) -> list[int]:
@@ -338,12 +334,20 @@ class _Shutdown(Exception):
 
 def _device_key(cfg: dict) -> str:
     """The device a config's engine runs on, spelled as the gateway names standby targets."""
-    from sits.engine.config import resolve_device
     from sits.runtime.device_memory import device_key
     try:
-        return device_key(str(resolve_device(str(cfg.get("device", "auto")))))
+        return device_key(str(cfg.get("device", "auto")))
     except (RuntimeError, ValueError):
         return str(cfg.get("device"))
+
+
+def _unlink_socket(address: str) -> None:
+    """A Unix socket path left by a start that did not happen (a TCP address leaves nothing)."""
+    if not address.startswith("tcp://"):
+        try:
+            os.unlink(address)
+        except OSError:
+            pass
 
 
 def _serve_message(msg: tuple, conn: socket.socket, listener: socket.socket, children: set[int],
@@ -374,11 +378,7 @@ def _serve_message(msg: tuple, conn: socket.socket, listener: socket.socket, chi
         except OSError as e:
             if inst_listener is not None:
                 inst_listener.close()
-                if not sock_path.startswith("tcp://"):
-                    try:
-                        os.unlink(sock_path)
-                    except OSError:
-                        pass
+                _unlink_socket(sock_path)
             send_blocking(conn, ("fork_failed", str(e)))
             return
         if pid == 0:
