@@ -362,3 +362,14 @@ def test_serve_with_an_unsupported_model_says_why_without_a_traceback(tiny_model
     assert r.returncode != 0
     assert "Traceback" not in r.stderr, r.stderr
     assert "unsupported_model" in r.stderr and "GPT2LMHeadModel" in r.stderr, r.stderr
+
+
+def test_control_commands_start_without_importing_torch():
+    """`sits status`, `sits iu ...`: a client of the gateway, quick to start (the benchmarks' modules,
+    which import torch, are loaded for `sits bench` only)."""
+    code = ("import sys\nfrom sits.cli import main\n"
+            "rc = main(['status', '--url', 'http://127.0.0.1:9'])\n"
+            "print(rc, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["2", "False"], r.stdout + r.stderr
+    assert "gateway_unreachable" in r.stderr

@@ -3,7 +3,12 @@ CUDA context: the zygote forks), and copied whole to the device by each instance
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import fcntl
+import os
+import socket
+from dataclasses import asdict
 
 import torch
 
@@ -46,3 +51,86 @@ def test_weights_kept_for_a_gpu_are_prepared_on_the_host_and_copied_whole(tiny_m
     ids = torch.randint(5, 500, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         assert torch.equal(same.forward_dense(ids), pre.model.forward_dense(ids))
+
+
+def test_a_host_copy_sent_to_another_process_maps_the_same_pages(tiny_model_dir):
+    """What a zygote's loader process sends (the region's descriptor, the rest pickled around it) is
+    rebuilt over the same pages, tied weights still tied, no weight copied."""
+    cfg = EngineConfig(model=tiny_model_dir, device="cuda", dtype="auto", warmup=False, kv_cache_memory_mb=8)
+    pre = PreloadedModel.load(cfg)
+    fd, nbytes, data = pre.export()
+    assert len(data) < nbytes             # the weights stay in the region: what is pickled is the rest
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        socket.send_fds(ours, [b"w"], [fd])
+        _, fds, _, _ = socket.recv_fds(theirs, 1, 1)
+    got = PreloadedModel.attach(fds[0], nbytes, data)
+    assert got.fits(cfg, torch.device("cuda")) and got.device_type == "cuda"
+    assert got.model.lm_head.weight is got.model.model.embed_tokens.weight
+    tensors = (*got.model.parameters(), *got.model.buffers())
+    assert all(got.host_region.contains(t) for t in tensors)
+    assert all(isinstance(p, torch.nn.Parameter) and not p.requires_grad for p in got.model.parameters())
+    # the same pages through two mappings: a write through one is read through the other
+    mine, theirs_ = pre.model.model.norm.weight, got.model.model.norm.weight
+    assert mine.data_ptr() != theirs_.data_ptr()
+    with torch.no_grad():
+        mine[0] = 7.0
+    assert theirs_[0].item() == 7.0
+    ids = torch.randint(5, 500, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.equal(got.model.forward_dense(ids), pre.model.forward_dense(ids))
+    text = "Hello, world: 12345"
+    assert got.tokenizer.encode(text) == pre.tokenizer.encode(text)
+    chat = [{"role": "user", "content": "hi"}]
+    assert got.tokenizer.apply_chat_template(chat) == pre.tokenizer.apply_chat_template(chat)
+
+
+def test_a_gpu_units_weights_load_apart_while_the_zygote_forks_other_units(tiny_model_dir, tmp_path):
+    """A GPU unit's host copy is built by a loader process: the zygote forks another unit's instance
+    meanwhile, a start of the GPU unit waits for its copy, and an undeploy stops the load (the start
+    that waited is served without it). The loader is held on a lock its test seam names."""
+    from sits.runtime.zygote import LOADER_GATE, ZygoteClient
+
+    gate = tmp_path / "gate"
+    gate.touch()
+    gpu = asdict(EngineConfig(model=tiny_model_dir, device="cuda", warmup=False, kv_cache_memory_mb=8))
+    cpu = asdict(EngineConfig(model=tiny_model_dir, device="cpu", warmup=False, kv_cache_memory_mb=8))
+
+    async def main() -> None:
+        with open(gate) as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            zygote = await ZygoteClient.start(env={**os.environ, LOADER_GATE: str(gate)})
+            try:
+                zygote.preload(gpu)
+                gpu_start = asyncio.create_task(zygote.fork(str(tmp_path / "g1.sock"), gpu))
+                child = await asyncio.wait_for(zygote.fork(str(tmp_path / "c.sock"), cpu), 120)
+                assert not child.standby and child.poll() is None
+                assert not gpu_start.done() and (tiny_model_dir, "cuda") not in zygote.preloads
+                with open(f"/proc/{zygote.info['pid']}/maps") as f:
+                    assert "memfd:sits-weights" not in f.read()
+                fcntl.flock(held, fcntl.LOCK_UN)               # the checkpoint can be read now
+                assert (await zygote.wait_preloaded(tiny_model_dir, "cuda", 120))["ok"] is True
+                first = await asyncio.wait_for(gpu_start, 120)     # served once the copy is in
+                with open(f"/proc/{zygote.info['pid']}/maps") as f:
+                    assert "memfd:sits-weights" in f.read()        # the loader's pages, mapped by the zygote
+                for c in (child, first):
+                    c.kill()
+                    await asyncio.wait_for(c.wait_async(), 60)
+
+                # undeployed while its copy is being built: the load stops, its waiting start is served
+                zygote.forget(gpu)
+                fcntl.flock(held, fcntl.LOCK_EX)
+                zygote.preload(gpu)
+                second = await asyncio.wait_for(
+                    asyncio.gather(zygote.fork(str(tmp_path / "g2.sock"), gpu), _forget_soon(zygote, gpu)), 120)
+                second[0].kill()
+                await asyncio.wait_for(second[0].wait_async(), 60)
+                assert (tiny_model_dir, "cuda") not in zygote.preloads
+            finally:
+                await zygote.shutdown()
+
+    asyncio.run(main())
+
+
+async def _forget_soon(zygote, cfg: dict) -> None:
+    zygote.forget(cfg)          # sent after the fork (frames keep their order)

@@ -104,6 +104,10 @@ def test_each_gpu_is_budgeted_apart_from_the_host(tiny_model_dir, tmp_path):
         assert ledger["capacity_mb"] == 3000
         assert ledger["by_unit_mb"] == {"(standby)": CUDA_CONTEXT_BYTES / MIB}     # one standby's context
         host_before = status["memory"]["by_unit_mb"]
+        # its weights, kept in host memory for its starts, are built by the zygote's loader process
+        copy = wait_for(lambda: (h := httpx.get(f"{srv.url}/v1/units/small-gpu").json()["host_copy"])["state"] != "loading"
+                        and h, what="the unit's host copy built")
+        assert copy["state"] == "ready" and copy["ms"] > 0, copy
         r = httpx.post(f"{srv.url}/v1/units", json=gpu_unit("big-gpu", 4000).model_dump())
         assert r.status_code == 400 and r.json()["error"]["code"] == "insufficient_memory"
         assert "GPU cuda:0" in r.json()["error"]["message"] and "--gpu-memory-mb" in r.json()["error"]["message"]

@@ -35,16 +35,22 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kw)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """``argv``: the command line it will parse; the benchmarks' parsers are built only for ``sits bench``
+    (always when ``argv`` is None)."""
     parser = _Parser(prog="sits", description="SITS: a serverless runtime for LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
     for group in _GROUPS:
-        group.register(sub)
+        if group is bench:
+            group.register(sub, full=argv is None or argv[:1] == ["bench"])
+        else:
+            group.register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.func(args)
     except SitsError as e:

@@ -126,6 +126,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                   for i in u["instances"] if i.get("cpu_quota")}
         if quotas:
             print("    cpu quota: " + ", ".join(sorted(quotas)))
+        if (h := u.get("host_copy")) and h["state"] != "ready":     # worth a line while it is not there yet
+            print(f"    weights preloaded by the zygote: {h['state']}"
+                  + (" (its instances load their own)" if h["state"] == "failed" else ""))
         if u.get("device_memory_mb") is not None:
             print(f"    device memory: {u['device_memory_mb']:.0f} MiB held by its instances")
         if (f := u.get("start_failure")):

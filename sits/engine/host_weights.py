@@ -10,8 +10,10 @@ copy-on-write unshares it), so every standby process would hold the model again.
 
 from __future__ import annotations
 
+import io
 import mmap
 import os
+import pickle
 
 import torch
 from torch import nn
@@ -22,21 +24,32 @@ _PINNED: list[tuple[int, int]] = []       # host ranges this process page-locked
 
 
 class SharedHostRegion:
-    """``nbytes`` of anonymous shared memory, as one uint8 tensor (kept alive with its mapping)."""
+    """``nbytes`` of anonymous shared memory, as one uint8 tensor (kept alive with its mapping).
+    ``fd``: map a region another process made (sent here over a Unix socket) instead of a new one.
+    The region keeps its descriptor open (``fd``), so it can be sent on."""
 
-    def __init__(self, nbytes: int, name: str = "sits-weights"):
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, max(nbytes, 1))
-            self.mapping = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+    def __init__(self, nbytes: int, name: str = "sits-weights", *, fd: int | None = None):
+        if fd is None:
+            fd = os.memfd_create(name, os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, max(nbytes, 1))
+            except OSError:
+                os.close(fd)
+                raise
+        self.fd = fd
+        self.mapping = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         try:        # 2 MiB pages where the kernel gives them to shared memory: fewer faults when a fork reads it
             self.mapping.madvise(mmap.MADV_HUGEPAGE)
         except (AttributeError, OSError):
             pass
         self.tensor = torch.frombuffer(self.mapping, dtype=torch.uint8)[:nbytes]
         self.nbytes = nbytes
+
+    def __del__(self):
+        try:
+            os.close(self.fd)
+        except (AttributeError, OSError):
+            pass
 
     def contains(self, t: torch.Tensor) -> bool:
         start = self.tensor.data_ptr()
@@ -68,6 +81,48 @@ def move_to_shared_region(model: nn.Module) -> SharedHostRegion:
                 if t is not None:
                     slots[name] = moved[id(t)]
     return region
+
+
+class _RegionPickler(pickle.Pickler):
+    """Pickles an object graph with every tensor inside ``region`` written as its place there."""
+
+    def __init__(self, file, region: SharedHostRegion):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.region = region
+        self.base = region.tensor.untyped_storage().data_ptr()
+
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and self.region.contains(obj):
+            return ("region", obj.data_ptr() - self.base, str(obj.dtype).removeprefix("torch."), tuple(obj.shape),
+                    obj.stride(), isinstance(obj, nn.Parameter))
+        return None
+
+
+class _RegionUnpickler(pickle.Unpickler):
+    def __init__(self, file, region: SharedHostRegion):
+        super().__init__(file)
+        self.storage = region.tensor.untyped_storage()
+        self.seen: dict[tuple, torch.Tensor] = {}      # one object per tensor: tied weights stay tied
+
+    def persistent_load(self, pid):
+        if pid not in self.seen:
+            _, offset, dtype_name, shape, stride, is_param = pid
+            dtype = getattr(torch, dtype_name)
+            t = torch.empty(0, dtype=dtype).set_(self.storage, offset // dtype.itemsize, shape, stride)
+            self.seen[pid] = nn.Parameter(t, requires_grad=False) if is_param else t
+        return self.seen[pid]
+
+
+def dumps_in_region(obj, region: SharedHostRegion) -> bytes:
+    """``obj`` pickled with its tensors in ``region`` as references, not bytes: another process that
+    maps the same region (``SharedHostRegion.attach``) rebuilds it around the same pages."""
+    buf = io.BytesIO()
+    _RegionPickler(buf, region).dump(obj)
+    return buf.getvalue()
+
+
+def loads_in_region(data: bytes, region: SharedHostRegion):
+    return _RegionUnpickler(io.BytesIO(data), region).load()
 
 
 def pin_in_place(tensors) -> int:

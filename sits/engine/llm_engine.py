@@ -22,7 +22,7 @@ from sits.engine.config import (EngineConfig, ModelConfig, activation_reserve_by
                                default_step_budget, kv_blocks_for_device, resolve_attention, resolve_device,
                                resolve_dtype)
 from sits.engine.host_memory import keep_step_buffers_in_heap
-from sits.engine.host_weights import SharedHostRegion, move_to_shared_region
+from sits.engine.host_weights import SharedHostRegion, dumps_in_region, loads_in_region, move_to_shared_region
 from sits.engine.layers.linear import can_pack, pack_linears
 from sits.engine.quantization import quantize_model
 from sits.engine.detokenizer import IncrementalDetokenizer
@@ -110,6 +110,20 @@ class PreloadedModel:
                 and self.layout == (cfg.quantization, cfg.pack_weights)
                 and os.path.realpath(self.model_dir) == os.path.realpath(str(cfg.model))
                 and self.max_model_len == plan_limits(cfg, self.model_config).max_model_len)
+
+    def export(self) -> tuple[int, int, bytes]:
+        """A GPU model's host copy for another process: its region's descriptor and size, and the rest
+        pickled with its tensors as places in the region (``attach`` rebuilds it around the same pages)."""
+        if self.host_region is None:
+            raise ValueError("only weights kept in a shared region can be sent to another process")
+        fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "host_region")
+        return self.host_region.fd, self.host_region.nbytes, dumps_in_region(fields, self.host_region)
+
+    @classmethod
+    def attach(cls, fd: int, nbytes: int, data: bytes) -> "PreloadedModel":
+        """What ``export`` sent, with ``fd`` (then owned here) mapped: no weight is copied."""
+        region = SharedHostRegion(nbytes, fd=fd)
+        return cls(*loads_in_region(data, region), host_region=region)
 
     def model_on(self, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
         """The model for an engine on ``device``: this one on a CPU; on a GPU, its weights copied there."""

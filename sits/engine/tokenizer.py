@@ -256,9 +256,22 @@ class Tokenizer:
         self.eos_token = eos_token
         self.pad_token = pad_token
         self.chat_template = chat_template
+        self._template_origin = source
         self._compiled_template = (_compile_chat_template(chat_template, source)
                                    if chat_template is not None else None)
         self._template_renders_tools = template_supports_tools(chat_template)
+
+    def __getstate__(self) -> dict:
+        """Picklable (a zygote's loader process sends one): the compiled template is compiled again."""
+        state = dict(self.__dict__)
+        del state["_compiled_template"], state["_encode_fast"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._encode_fast = getattr(self.backend, "encode_batch_fast", None)
+        self._compiled_template = (_compile_chat_template(self.chat_template, self._template_origin)
+                                   if self.chat_template is not None else None)
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike) -> "Tokenizer":

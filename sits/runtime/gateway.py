@@ -354,6 +354,18 @@ class Gateway:
         from sits.engine.llm_engine import PreloadedModel
         return "weights:" + "|".join(map(str, PreloadedModel.key(cfg)))
 
+    def host_copy(self, unit: UnitBackend) -> dict | None:
+        """The weights the zygote keeps for ``unit``: ``{"state": "loading"}`` while they are built (a GPU
+        unit's by a loader process, seconds for a large model), then ``"ready"`` or ``"failed"`` (its
+        instances load their own) with how long it took; None where none is kept."""
+        if self.cluster is not None or self._weights_group(unit) is None:
+            return None
+        cfg = asdict(unit.spec.engine_config())
+        done = self.zygote.preloads.get((cfg["model"], cfg["device"]))
+        if done is None:
+            return {"state": "loading"}
+        return {"state": "ready" if done["ok"] else "failed", "ms": done["ms"]}
+
     def _hold_preloaded(self, unit: UnitBackend) -> None:
         """The zygote keeps a deployed unit's weights in host memory (its forks share them): held in the
         host's ledger while a unit of that model is deployed, so a CPU instance's start reserves its KV

@@ -337,6 +337,7 @@ class UnitBackend(FallbackGuard):
             "memory_mb": None if getattr(self.host, "ledger", None) is None else
             round(self.host.ledger.by_unit().get(self.name, 0) / 2**20, 1),
             "device_memory_mb": self._device_memory_mb(),
+            "host_copy": self.host.host_copy(self) if hasattr(self.host, "host_copy") else None,
             "memory": None if self.spec.memory is None else {**self.spec.memory.model_dump(), "ingested": self.ingested},
             "sla": self.breaker.view() | {"fallback": self.spec.fallback, "fallbacks": self.fallbacks},
             "faults": self.faults.view() if self.faults.spec.inject else None,

@@ -21,14 +21,21 @@ socketpair, and a replacement is forked behind it once the reply is sent. Standb
 whenever the preloaded models change, so they inherit every one. A device whose standbys keep dying
 before they are used gets none (its starts fork as before).
 
+A GPU unit's host copy is built by a forked *loader* process (``_Loaders``), not in the zygote's
+loop, which keeps forking other units' instances meanwhile: the loader sends the shared region's
+descriptor and the model pickled around it, and the zygote maps the same pages. A start for a unit
+whose copy is still being built waits for it (other starts do not).
+
 Protocol (frames of ``sits.runtime.wire`` over a Unix socket, one client): ``("preload",
-engine_config_dict)`` (no reply); ``("fork", address, engine_config_dict, {"token": ...})`` →
-``("forked", pid, address, {"standby": bool})`` or ``("fork_failed", message)`` (``address``: a
-socket path, or ``tcp://HOST:0`` for an instance reached from another node: the port it got comes
-back); ``("standby", device, count)`` (no reply; the zygote reports ``("standby_ready", pid,
-device)`` and ``("standby_gone", pid)``); the zygote reaps its children and reports ``("exited", pid,
-code)``. With ``SITS_DIE_WITH_PARENT`` set (a Ray node's agent sets it), the zygote and its children
-die with their parent.
+engine_config_dict)`` → ``("preloaded", model, device, ok, ms)`` when built (or not);
+``("fork", address, engine_config_dict, {"token": ..., "env": ..., "id": n})`` → ``("forked", pid,
+address, {"standby": bool, "id": n})`` or ``("fork_failed", message, {"id": n})``, replies matched by
+``id``, not order (``address``: a socket path, or ``tcp://HOST:0`` for an instance reached from
+another node: the port it got comes back); ``("standby", device, count)`` (no reply; the zygote
+reports ``("standby_ready", pid, device)`` and ``("standby_gone", pid)``); ``("forget",
+engine_config_dict)``; the zygote reaps its children and reports ``("exited", pid, code)``. With
+``SITS_DIE_WITH_PARENT`` set (a Ray node's agent sets it), the zygote and its children die with
+their parent.
 
     python -m sits.runtime.zygote --socket PATH
 """
@@ -37,19 +44,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
+import itertools
 import os
 import pickle
 import select
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sits.runtime.instance_worker import bound_address, listen_on
 from sits.runtime.wire import FrameDecoder, encode, read_frame, send_blocking
@@ -66,28 +76,47 @@ def preload() -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-_MODELS: dict[tuple, object] = {}     # PreloadedModel by (model dir, dtype, max_model_len)
+_MODELS: dict[tuple, object] = {}     # PreloadedModel by PreloadedModel.key
+
+
+def _key(cfg_dict: dict) -> tuple | None:
+    from sits.engine.config import EngineConfig
+    from sits.engine.llm_engine import PreloadedModel
+    try:
+        return PreloadedModel.key(EngineConfig(**cfg_dict))
+    except Exception:  # noqa: BLE001 - a config that does not build: its instance reports why
+        return None
+
+
+def _loads_apart(cfg_dict: dict) -> bool:
+    """A GPU unit's host copy is built by a loader process (``_Loaders``); a CPU unit's here."""
+    from sits.engine.config import resolve_device
+    try:
+        return resolve_device(cfg_dict.get("device", "auto")).type != "cpu" and cfg_dict.get("quantization") is None
+    except (RuntimeError, ValueError):
+        return False
 
 
 def _preloaded(cfg_dict: dict):
-    """The cached PreloadedModel for this config (built now if missing), or None (int8 for a GPU, whose
-    weights are quantized on the device, or it failed)."""
+    """The cached PreloadedModel for this CPU config (built now if missing), or None (a GPU config:
+    ``_Loaders`` builds those; or it failed). Built here rather than apart because a CPU model is more
+    than its weights (linears packed for oneDNN) and its operators' one-time set-up is inherited too."""
     from sits.engine.config import EngineConfig, resolve_device
     from sits.engine.llm_engine import PreloadedModel
     try:
         cfg = EngineConfig(**cfg_dict)
-        on_cpu = resolve_device(cfg.device).type == "cpu"
-        if not on_cpu and cfg.quantization is not None:
+        if resolve_device(cfg.device).type != "cpu":
             return None
         key = PreloadedModel.key(cfg)
         if key not in _MODELS:
+            t0 = time.perf_counter()
             pre = PreloadedModel.load(cfg)
-            if on_cpu:
-                import torch
-                with torch.inference_mode():   # one-time operator set-up, inherited by every fork
-                    for n in (1, 16):
-                        pre.model.forward_dense(torch.zeros(1, n, dtype=torch.long))
+            import torch
+            with torch.inference_mode():   # one-time operator set-up, inherited by every fork
+                for n in (1, 16):
+                    pre.model.forward_dense(torch.zeros(1, n, dtype=torch.long))
             _MODELS[key] = pre
+            print(f"zygote: preloaded {cfg.model} for cpu in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         return _MODELS[key]
     except Exception as e:  # noqa: BLE001 - the child loads (and reports the error) itself
         print(f"zygote: preloading {cfg_dict.get('model')} failed: {e}", file=sys.stderr)
@@ -105,12 +134,7 @@ def die_with_parent() -> None:
 
 
 def _forget(cfg_dict: dict) -> None:
-    from sits.engine.config import EngineConfig
-    from sits.engine.llm_engine import PreloadedModel
-    try:
-        _MODELS.pop(PreloadedModel.key(EngineConfig(**cfg_dict)), None)
-    except Exception:  # noqa: BLE001 - nothing was preloaded for a config that does not build
-        pass
+    _MODELS.pop(_key(cfg_dict), None)
     import gc
     gc.collect()
 
@@ -139,6 +163,24 @@ def _run_child(body) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _fork_with_pair(kind: int, keep_closed: list[socket.socket], body, what: str) -> tuple[int, socket.socket] | None:
+    """Fork a child that runs ``body(its end of a new socketpair of `kind`)`` and exits: ``(pid, our
+    end)``, or None (the fork failed: said on stderr)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, kind)
+    try:
+        pid = os.fork()
+    except OSError as e:
+        print(f"zygote: cannot fork {what}: {e}", file=sys.stderr)
+        ours.close()
+        theirs.close()
+        return None
+    if pid == 0:
+        _as_child(keep_closed + [ours])
+        _run_child(lambda: body(theirs))
+    theirs.close()
+    return pid, ours
 
 
 def _child(sock_path: str, cfg: dict, fds_to_close: list[socket.socket], preloaded=None,
@@ -197,6 +239,7 @@ class _Standby:
     pid: int
     device: str
     sock: socket.socket          # the zygote's end of the pair: "ready" comes up it, a start goes down
+    models: frozenset            # the preloaded models it inherited (their keys)
     ready: bool = False          # its device is set up: a start handed to it skips that
 
 
@@ -207,8 +250,8 @@ class _Standbys:
     """The standby processes the zygote keeps, per device. ``report(msg)`` tells the gateway which
     are ready (``("standby_ready", pid, device)``) and which are gone (``("standby_gone", pid)``)."""
 
-    def __init__(self, keep_closed: list[socket.socket], report):
-        self.keep_closed = keep_closed        # the zygote's own sockets, closed in every child
+    def __init__(self, keep_closed, report):
+        self.keep_closed = keep_closed        # () -> the zygote's own sockets, closed in every child
         self.report = report
         self.targets: dict[str, int] = {}
         self.live: dict[int, _Standby] = {}
@@ -234,19 +277,10 @@ class _Standbys:
                 self._fork(device)
 
     def _fork(self, device: str) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            pid = os.fork()
-        except OSError as e:
-            print(f"zygote: cannot fork a standby for {device}: {e}", file=sys.stderr)
-            ours.close()
-            theirs.close()
-            return
-        if pid == 0:
-            _as_child(self.keep_closed + self.sockets() + [ours])
-            _run_child(lambda: _stand_by(device, theirs))
-        theirs.close()
-        self.live[pid] = _Standby(pid, device, ours)
+        forked = _fork_with_pair(socket.SOCK_SEQPACKET, self.keep_closed(), lambda pair: _stand_by(device, pair),
+                                 f"a standby for {device}")
+        if forked is not None:
+            self.live[forked[0]] = _Standby(forked[0], device, forked[1], frozenset(_MODELS))
 
     def _drop(self, s: _Standby) -> None:
         self.live.pop(s.pid, None)
@@ -283,11 +317,13 @@ class _Standbys:
             s.ready = True
             self.report(("standby_ready", s.pid, s.device))
 
-    def hand_over(self, device: str, sock_path: str, cfg: dict, token: str | None) -> tuple[int, str] | None:
-        """Give a start to a ready standby of ``device``: ``(pid, address)``, or None (none is ready:
-        the start forks; one still setting its device up might take longer than that). No replacement
-        is forked here: the caller replies first, then ``top_up()``."""
-        ready = [s for s in self.live.values() if s.device == device and s.ready]
+    def hand_over(self, device: str, sock_path: str, cfg: dict, token: str | None,
+                  needs: tuple | None) -> tuple[int, str] | None:
+        """Give a start to a ready standby of ``device`` that inherited the preloaded model ``needs``
+        (if any): ``(pid, address)``, or None (none is ready: the start forks; one still setting its
+        device up might take longer than that). No replacement is forked here: the caller replies
+        first, then ``top_up()``."""
+        ready = [s for s in self.live.values() if s.device == device and s.ready and (needs is None or needs in s.models)]
         if not ready:
             return None
         try:
@@ -350,25 +386,208 @@ def _unlink_socket(address: str) -> None:
             pass
 
 
-def _serve_message(msg: tuple, conn: socket.socket, listener: socket.socket, children: set[int],
-                   standbys: _Standbys, models: set) -> None:
-    """One message from the gateway (see the module docstring)."""
-    if msg[0] == "preload":
-        _preloaded(msg[1])
-    elif msg[0] == "forget":        # its unit is gone: children that use it keep their copy
-        _forget(msg[1])
-    elif msg[0] == "standby":
-        standbys.set_target(msg[1], msg[2])
-    elif msg[0] == "fork":
+_LOADED_HEADER = struct.Struct("<QQ")      # the region's size, the pickled rest's size (the fd rides with it)
+LOADER_GATE = "SITS_LOADER_GATE"           # a test seam: a file whose lock a loader takes before it reads
+
+
+def _load_apart(cfg_dict: dict, sock: socket.socket) -> int:
+    """A loader's life: build a GPU unit's host copy (``PreloadedModel.load``: read, convert, merge,
+    copy into a shared region), send it to the zygote and exit."""
+    from sits.engine.config import EngineConfig
+    from sits.engine.llm_engine import PreloadedModel
+    if os.environ.get(LOADER_GATE):         # a test holds the load open while it checks the zygote serves
+        with open(os.environ[LOADER_GATE]) as gate:
+            fcntl.flock(gate, fcntl.LOCK_SH)
+    import torch
+    torch.set_num_threads(len(os.sched_getaffinity(0)))     # it forks nothing: its conversions may use every core
+    try:
+        pre = PreloadedModel.load(EngineConfig(**cfg_dict))
+    except Exception as e:  # noqa: BLE001 - an instance that starts without it loads (and reports) itself
+        print(f"zygote: preloading {cfg_dict.get('model')} failed: {e}", file=sys.stderr)
+        return 1
+    fd, nbytes, data = pre.export()
+    socket.send_fds(sock, [_LOADED_HEADER.pack(nbytes, len(data))], [fd])
+    sock.sendall(data)
+    return 0
+
+
+@dataclass(slots=True)
+class _Loading:
+    """A GPU unit's host copy being built by a loader process."""
+    pid: int
+    sock: socket.socket            # the zygote's end: the result comes up it (EOF alone: it failed)
+    cfg: dict
+    forks: list[tuple] = field(default_factory=list)    # fork messages for this unit, served once it is done
+    started: float = field(default_factory=time.perf_counter)
+
+
+class _Loaders:
+    """GPU units' host copies, each built by a forked loader process, so the zygote keeps forking other
+    units' instances (and handing starts to standbys) meanwhile: building one reads and converts the
+    whole checkpoint, seconds to minutes for a large model. The loader sends the shared region's
+    descriptor and the model pickled around it; the zygote maps the same pages, so nothing is copied."""
+
+    def __init__(self, keep_closed):
+        self.keep_closed = keep_closed        # () -> the zygote's sockets, closed in every child
+        self.loading: dict[tuple, _Loading] = {}
+        self.failed: set[tuple] = set()       # not tried again until the unit is preloaded again
+        self.unreaped: set[int] = set()
+
+    def sockets(self) -> list[socket.socket]:
+        return [x.sock for x in self.loading.values()]
+
+    def start(self, key: tuple, cfg: dict) -> None:
+        forked = _fork_with_pair(socket.SOCK_STREAM, self.keep_closed(), lambda pair: _load_apart(cfg, pair),
+                                 f"a loader for {cfg.get('model')}")
+        if forked is None:
+            self.failed.add(key)
+            return
+        self.loading[key] = _Loading(forked[0], forked[1], cfg)
+        self.unreaped.add(forked[0])
+
+    def finished(self, sock: socket.socket):
+        """A loader's socket is readable: ``(key, its _Loading, the PreloadedModel or None)``."""
+        key, job = next(((k, x) for k, x in self.loading.items() if x.sock is sock), (None, None))
+        if job is None:
+            return None
+        del self.loading[key]
+        pre, fds = None, []
+        try:
+            head, fds, _, _ = socket.recv_fds(sock, _LOADED_HEADER.size, 1)
+            if fds and len(head) == _LOADED_HEADER.size:
+                nbytes, size = _LOADED_HEADER.unpack(head)
+                sock.settimeout(60)                  # the rest is being written now: a small pickle
+                data = bytearray()
+                while len(data) < size:
+                    chunk = sock.recv(min(size - len(data), 1 << 20))
+                    if not chunk:
+                        raise EOFError("the loader stopped mid-send")
+                    data += chunk
+                from sits.engine.llm_engine import PreloadedModel
+                pre = PreloadedModel.attach(fds.pop(0), nbytes, bytes(data))
+        except Exception as e:  # noqa: BLE001 - a broken hand-over is a failed preload, never a dead zygote
+            print(f"zygote: receiving {job.cfg.get('model')} from its loader failed: {e}", file=sys.stderr)
+            pre = None
+        finally:
+            for fd in fds:              # one not taken by a region
+                os.close(fd)
+            sock.close()
+        if pre is None:
+            self.failed.add(key)
+        return key, job, pre
+
+    def cancel(self, key: tuple) -> list[tuple]:
+        """Stop building ``key`` (its unit was undeployed): the fork messages that waited for it."""
+        job = self.loading.pop(key, None)
+        if job is None:
+            return []
+        job.sock.close()
+        try:
+            os.kill(job.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return job.forks
+
+    def stop(self) -> None:
+        for key in list(self.loading):
+            self.cancel(key)
+
+
+class _Zygote:
+    """The zygote's loop state: its connection to the gateway, its children, standbys and loaders."""
+
+    def __init__(self, conn: socket.socket, listener: socket.socket):
+        self.conn, self.listener = conn, listener
+        self.children: set[int] = set()
+        self.standbys = _Standbys(self.own_sockets, self.report)
+        self.loaders = _Loaders(self.own_sockets)
+
+    def own_sockets(self) -> list[socket.socket]:
+        """Every socket of the zygote's, closed in each child it forks."""
+        return [self.conn, self.listener, *self.standbys.sockets(), *self.loaders.sockets()]
+
+    def report(self, msg: tuple) -> None:
+        send_blocking(self.conn, msg)
+
+    def serve(self, msg: tuple) -> None:
+        """One message from the gateway (see the module docstring)."""
+        if msg[0] == "preload":
+            self.preload(msg[1], again=True)
+        elif msg[0] == "forget":        # its unit is gone: children that use it keep their copy
+            key = _key(msg[1])
+            waiting = self.loaders.cancel(key) if key is not None else []
+            _forget(msg[1])
+            for fork in waiting:
+                self.fork(fork, None)
+        elif msg[0] == "standby":
+            self.standbys.set_target(msg[1], msg[2])
+        elif msg[0] == "fork":
+            cfg = msg[2]
+            if _loads_apart(cfg):
+                key = _key(cfg)
+                if key is not None and key not in _MODELS:
+                    self.preload(cfg, again=False)
+                    if key in self.loaders.loading:        # served when its host copy is ready
+                        self.loaders.loading[key].forks.append(msg)
+                        return
+                self.fork(msg, _MODELS.get(key))
+            else:
+                self.fork(msg, _preloaded(cfg))
+        elif msg[0] == "shutdown":
+            raise _Shutdown
+
+    def preload(self, cfg: dict, again: bool) -> None:
+        """Build a unit's model ahead of its starts: a CPU unit's here, a GPU unit's by a loader
+        (``again``: one that failed before is tried again, as a deploy asks). Reported as
+        ``("preloaded", model, device, ok, ms)`` when done (a loader's: when it is)."""
+        def done(ok: bool, ms: float) -> None:
+            self.report(("preloaded", cfg.get("model"), cfg.get("device"), ok, round(ms, 1)))
+
+        if not _loads_apart(cfg):
+            t0 = time.perf_counter()
+            done(_preloaded(cfg) is not None, (time.perf_counter() - t0) * 1e3)
+            return
+        key = _key(cfg)
+        if key is not None and key in self.loaders.loading:
+            return
+        if key is not None and key in _MODELS:
+            done(True, 0.0)
+            return
+        if again and key is not None:
+            self.loaders.failed.discard(key)
+        if key is None or key in self.loaders.failed:
+            done(False, 0.0)
+            return
+        self.loaders.start(key, cfg)
+        if key in self.loaders.failed:          # it could not fork
+            done(False, 0.0)
+
+    def loaded(self, sock: socket.socket) -> None:
+        """A loader is done (or gone): its model kept, the starts that waited for it served."""
+        done = self.loaders.finished(sock)
+        if done is None:
+            return
+        key, job, pre = done
+        seconds = time.perf_counter() - job.started
+        if pre is not None:
+            _MODELS[key] = pre
+            print(f"zygote: preloaded {job.cfg.get('model')} for {key[-1]} in {seconds:.1f} s ({pre.host_region.nbytes / 2**20:.0f} MiB)",
+                  file=sys.stderr)
+        self.report(("preloaded", job.cfg.get("model"), job.cfg.get("device"), pre is not None, round(seconds * 1e3, 1)))
+        for fork in job.forks:
+            self.fork(fork, pre)
+
+    def fork(self, msg: tuple, pre) -> None:
+        """Start an instance: handed to a ready standby of its device that holds what a fork would
+        inherit, else forked now. The reply carries the request's ``id``."""
         _, sock_path, cfg, *opts = msg
-        token = opts[0].get("token") if opts else None
-        child_env = (opts[0].get("env") or {}) if opts else {}
-        pre = _preloaded(cfg)
-        if set(_MODELS) == models and not child_env:    # a standby has everything a fork would
-            handed = standbys.hand_over(_device_key(cfg), sock_path, cfg, token)
+        opts = opts[0] if opts else {}
+        token, child_env, rid = opts.get("token"), opts.get("env") or {}, opts.get("id")
+        if not child_env:
+            handed = self.standbys.hand_over(_device_key(cfg), sock_path, cfg, token, _key(cfg) if pre else None)
             if handed is not None:
-                children.add(handed[0])
-                send_blocking(conn, ("forked", *handed, {"standby": True}))
+                self.children.add(handed[0])
+                self.report(("forked", *handed, {"standby": True, "id": rid}))
                 return
         inst_listener = None
         try:
@@ -379,16 +598,59 @@ def _serve_message(msg: tuple, conn: socket.socket, listener: socket.socket, chi
             if inst_listener is not None:
                 inst_listener.close()
                 _unlink_socket(sock_path)
-            send_blocking(conn, ("fork_failed", str(e)))
+            self.report(("fork_failed", str(e), {"id": rid}))
             return
         if pid == 0:
             os.environ.update(child_env)
-            _child(address, cfg, [conn, listener] + standbys.sockets(), pre, inst_listener, token)
+            _child(address, cfg, self.own_sockets(), pre, inst_listener, token)
         inst_listener.close()
-        children.add(pid)
-        send_blocking(conn, ("forked", pid, address, {"standby": False}))
-    elif msg[0] == "shutdown":
-        raise _Shutdown
+        self.children.add(pid)
+        self.report(("forked", pid, address, {"standby": False, "id": rid}))
+
+    def reap(self) -> None:
+        for pid in [*self.children, *self.standbys.pids(), *self.loaders.unreaped]:
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = pid, 0
+            if not done:
+                continue
+            if pid in self.children:
+                self.children.discard(pid)
+                self.report(("exited", pid, os.waitstatus_to_exitcode(status)))
+            elif pid in self.loaders.unreaped:
+                self.loaders.unreaped.discard(pid)
+            else:
+                self.standbys.reaped(pid)
+
+    def run(self) -> int:
+        decoder = FrameDecoder()
+        while True:
+            readable, _, _ = select.select([self.conn, *self.standbys.sockets(), *self.loaders.sockets()], [], [], 0.2)
+            models = set(_MODELS)
+            for sock in readable:
+                if sock in self.loaders.sockets():
+                    self.loaded(sock)
+                elif sock is not self.conn:
+                    self.standbys.heard(sock)
+            if self.conn in readable:
+                data = self.conn.recv(1 << 16)
+                if not data:
+                    break                   # the gateway is gone: so are we (children see their own EOF)
+                for msg in decoder.feed(data):
+                    try:
+                        self.serve(msg)
+                    except _Shutdown:
+                        return 0
+            if set(_MODELS) != models:
+                self.standbys.renew()       # forked again, to inherit what is preloaded now
+            if readable:
+                self.standbys.top_up()      # replacements (after any reply: a fork takes time)
+            self.reap()
+        return 0
+
+    def close(self) -> None:
+        self.loaders.stop()
 
 
 def serve_zygote(control_path: str) -> int:
@@ -407,40 +669,11 @@ def serve_zygote(control_path: str) -> int:
     listener.listen(1)
     conn, _ = listener.accept()
     send_blocking(conn, ("hello", {"pid": os.getpid(), "preload_ms": round(preload_ms, 1)}))
-    decoder = FrameDecoder()
-    children: set[int] = set()
-    standbys = _Standbys([conn, listener], lambda msg: send_blocking(conn, msg))
-    while True:
-        readable, _, _ = select.select([conn, *standbys.sockets()], [], [], 0.2)
-        for sock in readable:
-            if sock is not conn:
-                standbys.heard(sock)
-        if conn in readable:
-            data = conn.recv(1 << 16)
-            if not data:
-                break                       # the gateway is gone: so are we (children see their own EOF)
-            for msg in decoder.feed(data):
-                models = set(_MODELS)
-                try:
-                    _serve_message(msg, conn, listener, children, standbys, models)
-                except _Shutdown:
-                    return 0
-                if set(_MODELS) != models:
-                    standbys.renew()             # forked again, to inherit what is preloaded now
-                standbys.top_up()                # replacements (after any reply: a fork takes time)
-        for pid in [*children, *standbys.pids()]:
-            try:
-                done, status = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done, status = pid, 0
-            if not done:
-                continue
-            if pid in children:
-                children.discard(pid)
-                send_blocking(conn, ("exited", pid, os.waitstatus_to_exitcode(status)))
-            else:
-                standbys.reaped(pid)
-    return 0
+    zygote = _Zygote(conn, listener)
+    try:
+        return zygote.run()
+    finally:
+        zygote.close()
 
 
 class ForkedProcess:
@@ -503,11 +736,14 @@ class ZygoteClient:
         self.info = info
         self._reader, self._writer = reader, writer
         self._sock_dir = sock_dir
-        self._pending: asyncio.Queue = asyncio.Queue()       # fork replies, in order
+        self._replies: dict[int, asyncio.Future] = {}       # fork requests awaiting their reply, by id
+        self._ids = itertools.count()
         self._children: dict[int, ForkedProcess] = {}
         self.standbys: dict[int, str] = {}              # ready standby processes: pid -> device
         self._standby_changed = asyncio.Event()
-        self._lock = asyncio.Lock()
+        # preloaded models, by (model, device) as configured: {"ok": bool, "ms": float} once built (or not)
+        self.preloads: dict[tuple[str, str], dict] = {}
+        self._preloads_changed = asyncio.Event()
         self.alive = True
         self._task = asyncio.get_running_loop().create_task(self._read_loop(), name="zygote-reader")
 
@@ -540,7 +776,9 @@ class ZygoteClient:
         return cls(proc, reader, writer, hello[1], sock_dir)
 
     def preload(self, cfg: dict) -> None:
-        """Have the zygote build this model now, so the unit's first fork inherits it."""
+        """Have the zygote build this model now, so the unit's first fork inherits it (``preloads``
+        says when it is done)."""
+        self.preloads.pop((cfg.get("model"), cfg.get("device")), None)
         if self.alive:
             self._writer.write(encode(("preload", cfg)))
 
@@ -554,14 +792,19 @@ class ZygoteClient:
 
     async def wait_standbys(self, device: str, count: int, timeout_s: float) -> bool:
         """Until ``count`` standbys of ``device`` are ready (False: not within ``timeout_s``)."""
+        return await self._until(lambda: self.ready_standbys(device) >= count, self._standby_changed, timeout_s)
+
+    async def _until(self, ready, changed: asyncio.Event, timeout_s: float) -> bool:
+        """Until ``ready()``, checked again whenever ``changed`` is set (False: not within ``timeout_s``,
+        or the zygote is gone)."""
         deadline = time.monotonic() + timeout_s
-        while self.ready_standbys(device) < count:
-            self._standby_changed.clear()
+        while not ready():
+            changed.clear()
             left = deadline - time.monotonic()
             if left <= 0 or not self.alive:
                 return False
             try:
-                await asyncio.wait_for(self._standby_changed.wait(), left)
+                await asyncio.wait_for(changed.wait(), left)
             except TimeoutError:
                 return False
         return True
@@ -578,11 +821,13 @@ class ZygoteClient:
         (e.g. ``CUDA_VISIBLE_DEVICES``, the GPUs its placement reserved)."""
         if not self.alive:
             raise RuntimeError("the zygote is gone")
-        async with self._lock:           # replies come back in request order
-            self._writer.write(encode(("fork", sock_path, cfg, {"token": token, "env": env or {}})))
-            reply = await self._pending.get()
-        if isinstance(reply, BaseException):
-            raise reply
+        rid = next(self._ids)
+        reply_to = self._replies[rid] = asyncio.get_running_loop().create_future()
+        self._writer.write(encode(("fork", sock_path, cfg, {"token": token, "env": env or {}, "id": rid})))
+        try:
+            reply = await reply_to          # a start waiting for its unit's host copy does not hold up others
+        finally:
+            self._replies.pop(rid, None)
         if reply[0] != "forked":
             raise RuntimeError(f"zygote could not fork: {reply[1]}")
         child = ForkedProcess(reply[1], reply[2])
@@ -607,18 +852,41 @@ class ZygoteClient:
                     self._standby_changed.set()
                 elif msg[0] == "standby_gone":
                     self.standbys.pop(msg[1], None)
-                else:
-                    self._pending.put_nowait(msg)
+                elif msg[0] == "preloaded":
+                    self.preloads[(msg[1], msg[2])] = {"ok": msg[3], "ms": msg[4]}
+                    self._preloads_changed.set()
+                elif msg[0] in ("forked", "fork_failed"):
+                    self._replied(msg)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass
         finally:
             self.alive = False
             self.standbys.clear()                   # they die with it (their end of the pair closes)
             self._standby_changed.set()
-            self._pending.put_nowait(RuntimeError("the zygote is gone"))
+            self._preloads_changed.set()
+            for reply_to in self._replies.values():
+                if not reply_to.done():
+                    reply_to.set_exception(RuntimeError("the zygote is gone"))
             for child in self._children.values():   # no one reaps them now; report them as unknown
                 if child.returncode is None:
                     threading.Thread(target=_reap_orphan, args=(child,), daemon=True).start()
+
+    def _replied(self, msg: tuple) -> None:
+        reply_to = self._replies.pop(msg[-1].get("id"), None)
+        if reply_to is not None and not reply_to.done():
+            reply_to.set_result(msg)
+        elif msg[0] == "forked":        # its caller gave up (cancelled): the instance is no one's
+            try:
+                os.kill(msg[1], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    async def wait_preloaded(self, model: str, device: str, timeout_s: float) -> dict | None:
+        """Until the zygote reports the model ``preload`` asked for (``model`` and ``device`` as in its
+        config) built or failed: ``{"ok", "ms"}``, or None (not within ``timeout_s``)."""
+        if await self._until(lambda: (model, device) in self.preloads, self._preloads_changed, timeout_s):
+            return self.preloads[(model, device)]
+        return None
 
     async def shutdown(self) -> None:
         self.alive = False
