@@ -90,6 +90,7 @@ def test_guided_bench_compares_free_guided_and_jump_forward(tiny_model_dir, tmp_
     assert docs.read_text().count(G_BEGIN) == 1
 
 
+@pytest.mark.slow       # a benchmark's smoke run (about 10 s on 2 cores; CI runs it)
 def test_sampler_bench_runs_every_variant_in_its_own_process(tmp_path):
     """`sits bench sampler`: the heap and mmap variants (and an old checkout, here this one) each
     measure every case; the docs section carries the table and the plot."""
@@ -237,6 +238,7 @@ def test_coldstart_bench_without_a_server_forks_the_engine(tiny_model_dir, tmp_p
     assert "no server" in data["host"]
 
 
+@pytest.mark.slow       # a benchmark's smoke run (about 10 s on 2 cores; CI runs it)
 def test_standby_bench_times_forked_and_standby_starts_alternating(tiny_model_dir, tmp_path):
     """`sits bench standby`: starts from a real zygote, one forked and one handed to a standby per
     round (the benchmark checks each start took the path it names), with a table and a plot."""

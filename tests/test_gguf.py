@@ -13,11 +13,12 @@ import os
 import numpy as np
 import pytest
 import torch
+import gguf
 from gguf import GGMLQuantizationType as Q
 
 from sits.engine.config import EngineConfig, ModelConfig
 from sits.engine.detokenizer import IncrementalDetokenizer
-from sits.engine.errors import UnsupportedModelError
+from sits.engine.errors import ModelLoadError, UnsupportedModelError
 from sits.engine.gguf_model import gguf_file, is_gguf, open_gguf
 from sits.engine.llm_engine import LLMEngine
 from sits.engine.sampling_params import SamplingParams
@@ -90,7 +91,6 @@ def test_a_file_that_is_not_gguf_is_not_taken_for_one(tmp_path, tiny_model_dir):
 
 
 def test_unknown_architectures_are_refused_by_name(tmp_path):
-    gguf = pytest.importorskip("gguf")
     path = tmp_path / "m.gguf"
     w = gguf.GGUFWriter(str(path), "mamba")
     w.add_block_count(1)
@@ -101,6 +101,50 @@ def test_unknown_architectures_are_refused_by_name(tmp_path):
     w.close()
     with pytest.raises(UnsupportedModelError, match="mamba"):
         ModelConfig.from_dir(path)
+
+
+def test_the_files_metadata_reads_as_the_gguf_package_reads_it(tmp_path):
+    """SITS decodes GGUF metadata itself (the package's reader takes seconds on a real vocabulary):
+    every value type, arrays of each, and the tensor views, the same as ``gguf.GGUFReader`` gives."""
+    from sits.engine.gguf_reader import GGUFFile
+    path = tmp_path / "all.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint8("t.u8", 200)
+    w.add_int8("t.i8", -5)
+    w.add_uint16("t.u16", 65000)
+    w.add_int16("t.i16", -300)
+    w.add_uint32("t.u32", 4_000_000_000)
+    w.add_int32("t.i32", -7)
+    w.add_float32("t.f32", 0.25)
+    w.add_uint64("t.u64", 2**60)
+    w.add_int64("t.i64", -(2**40))
+    w.add_float64("t.f64", 1e-300)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "héllo ▁ world")
+    w.add_array("t.ints", [1, -2, 3])
+    w.add_array("t.floats", [0.5, -1.5])
+    w.add_array("t.strs", ["a", "▁b", "<0x0A>", ""])
+    w.add_array("t.bools", [True, False])
+    w.add_tensor("a.weight", np.arange(24, dtype=np.float32).reshape(4, 6))
+    w.add_tensor("b.weight", np.arange(64, dtype=np.float16).reshape(2, 32))
+    q = gguf.quants.quantize(np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32), Q.Q8_0)
+    w.add_tensor("c.weight", q, raw_shape=q.shape, raw_dtype=Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = GGUFFile(path), gguf.GGUFReader(str(path))
+    expected = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert ours.metadata == expected
+    assert ours.metadata["t.strs"] == ["a", "▁b", "<0x0A>", ""] and ours.metadata["t.bool"] is True
+    assert len(ours.tensors) == len(theirs.tensors) == 3
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.name, a.tensor_type, list(a.shape)) == (b.name, b.tensor_type, b.shape.tolist())
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
+    # cut short: a typed error naming the file, not a crash
+    (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ModelLoadError, match="cut.gguf: not a readable GGUF file"):
+        ModelConfig.from_dir(tmp_path / "cut.gguf")
 
 
 # -- files written here: a tiny random Llama in each tensor type, a small SentencePiece vocabulary ----
@@ -154,9 +198,9 @@ def test_a_written_gguf_loads_to_the_weights_it_holds_in_every_tensor_type(tmp_p
         assert not unexpected and set(missing) <= {"lm_head.weight"}
 
     g = open_gguf(path)
-    matrices = {t.tensor_type for t in g.reader.tensors if len(t.shape) == 2}
+    matrices = {t.tensor_type for t in g.tensors if len(t.shape) == 2}
     assert matrices == ({qtype} if isinstance(qtype, Q) else {Q.Q4_K, Q.Q6_K})
-    assert {t.tensor_type for t in g.reader.tensors if len(t.shape) == 1} == {Q.F32}
+    assert {t.tensor_type for t in g.tensors if len(t.shape) == 1} == {Q.F32}
     cfg = ModelConfig.from_dir(path)
     assert (cfg.hidden_size, cfg.num_key_value_heads, cfg.head_dim, cfg.tie_word_embeddings) == (256, 2, 64, tied)
     ours = g.state_dict(torch.float32)

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import fcntl
 import os
+import signal
 import socket
 from dataclasses import asdict
 
@@ -15,6 +16,7 @@ import torch
 from sits.engine.config import EngineConfig
 from sits.engine.llm_engine import PreloadedModel
 from sits.engine.loader import upload_module
+from test_gateway import wait_for
 
 
 def test_weights_kept_for_a_gpu_are_prepared_on_the_host_and_copied_whole(tiny_model_dir):
@@ -87,45 +89,58 @@ def test_a_host_copy_sent_to_another_process_maps_the_same_pages(tiny_model_dir)
 
 def test_a_gpu_units_weights_load_apart_while_the_zygote_forks_other_units(tiny_model_dir, tmp_path):
     """A GPU unit's host copy is built by a loader process: the zygote forks another unit's instance
-    meanwhile, a start of the GPU unit waits for its copy, and an undeploy stops the load (the start
-    that waited is served without it). The loader is held on a lock its test seam names."""
+    meanwhile, and a start of the GPU unit waits for its copy. A loader that dies, or an undeploy
+    while it loads, ends the wait (those starts load their own). The loader is held on a lock its
+    test seam names."""
     from sits.runtime.zygote import LOADER_GATE, ZygoteClient
+    from test_standby import zygote_children
 
     gate = tmp_path / "gate"
     gate.touch()
     gpu = asdict(EngineConfig(model=tiny_model_dir, device="cuda", warmup=False, kv_cache_memory_mb=8))
     cpu = asdict(EngineConfig(model=tiny_model_dir, device="cpu", warmup=False, kv_cache_memory_mb=8))
 
+    async def stop(*children) -> None:
+        for c in children:
+            c.kill()
+            await asyncio.wait_for(c.wait_async(), 60)
+
     async def main() -> None:
         with open(gate) as held:
             fcntl.flock(held, fcntl.LOCK_EX)
             zygote = await ZygoteClient.start(env={**os.environ, LOADER_GATE: str(gate)})
+            zpid = zygote.info["pid"]
             try:
                 zygote.preload(gpu)
                 gpu_start = asyncio.create_task(zygote.fork(str(tmp_path / "g1.sock"), gpu))
                 child = await asyncio.wait_for(zygote.fork(str(tmp_path / "c.sock"), cpu), 120)
                 assert not child.standby and child.poll() is None
-                assert not gpu_start.done() and (tiny_model_dir, "cuda") not in zygote.preloads
-                with open(f"/proc/{zygote.info['pid']}/maps") as f:
+                assert not gpu_start.done() and zygote.preload_state(gpu) is None
+                with open(f"/proc/{zpid}/maps") as f:
                     assert "memfd:sits-weights" not in f.read()
                 fcntl.flock(held, fcntl.LOCK_UN)               # the checkpoint can be read now
-                assert (await zygote.wait_preloaded(tiny_model_dir, "cuda", 120))["ok"] is True
+                assert (await zygote.wait_preloaded(gpu, 120))["ok"] is True
                 first = await asyncio.wait_for(gpu_start, 120)     # served once the copy is in
-                with open(f"/proc/{zygote.info['pid']}/maps") as f:
+                with open(f"/proc/{zpid}/maps") as f:
                     assert "memfd:sits-weights" in f.read()        # the loader's pages, mapped by the zygote
-                for c in (child, first):
-                    c.kill()
-                    await asyncio.wait_for(c.wait_async(), 60)
+                await stop(child, first)
 
-                # undeployed while its copy is being built: the load stops, its waiting start is served
+                # a loader that dies: the start that waited is served (without a copy), the preload failed
                 zygote.forget(gpu)
                 fcntl.flock(held, fcntl.LOCK_EX)
                 zygote.preload(gpu)
-                second = await asyncio.wait_for(
-                    asyncio.gather(zygote.fork(str(tmp_path / "g2.sock"), gpu), _forget_soon(zygote, gpu)), 120)
-                second[0].kill()
-                await asyncio.wait_for(second[0].wait_async(), 60)
-                assert (tiny_model_dir, "cuda") not in zygote.preloads
+                waiting = asyncio.create_task(zygote.fork(str(tmp_path / "g2.sock"), gpu))
+                loader = wait_for(lambda: zygote_children(zpid), what="the loader forked")
+                os.kill(next(iter(loader)), signal.SIGKILL)
+                await stop(await asyncio.wait_for(waiting, 120))
+                assert (await zygote.wait_preloaded(gpu, 120))["ok"] is False
+
+                # undeployed while its copy is being built: the load stops, its waiting start is served
+                zygote.preload(gpu)                              # tried again
+                forked = await asyncio.wait_for(asyncio.gather(      # the forget is sent after the fork
+                    zygote.fork(str(tmp_path / "g3.sock"), gpu), _forget_soon(zygote, gpu)), 120)
+                await stop(forked[0])
+                assert zygote.preload_state(gpu) is None
             finally:
                 await zygote.shutdown()
 

@@ -74,33 +74,25 @@ def gguf_file(path: str | Path) -> Path | None:
 
 
 class GGUFModel:
-    """One GGUF file, its metadata read once (tensors are memory-mapped by the ``gguf`` reader)."""
+    """One GGUF file, its metadata read once (``gguf_reader``; tensors are views of its memory map)."""
 
     def __init__(self, path: str | Path):
-        import gguf     # only when a GGUF is loaded: safetensors cold starts do not pay for it
+        from sits.engine.gguf_reader import GGUFFile     # only when a GGUF is loaded: safetensors starts skip gguf
 
         self.path = Path(path)
         try:
-            self.reader = gguf.GGUFReader(str(self.path))
+            self.file = GGUFFile(self.path)
         except (ValueError, OSError) as e:
             raise ModelLoadError(f"{self.path}: not a readable GGUF file: {e}", param="model") from None
-        self.meta: dict[str, Any] = {}
-        for key, f in self.reader.fields.items():
-            if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                       "tokenizer.ggml.scores"):
-                continue
-            try:
-                self.meta[key] = f.contents()
-            except Exception:  # noqa: BLE001 - a field this reader cannot decode is not one we use
-                pass
+        self.meta: dict[str, Any] = self.file.metadata
+        self.tensors = self.file.tensors
         self.arch = str(self.meta.get("general.architecture", ""))
         if self.arch not in _ARCHITECTURES:
             raise UnsupportedModelError(f"{self.path}: GGUF architecture {self.arch!r} is not supported; SITS runs "
                                         f"{', '.join(sorted(_ARCHITECTURES))}", param="model")
 
     def _field(self, name: str) -> list:
-        f = self.reader.fields.get(name)
-        return [] if f is None else f.contents()
+        return self.meta.get(name) or []
 
     def _a(self, key: str, default=None):
         return self.meta.get(f"{self.arch}.{key}", default)
@@ -111,9 +103,9 @@ class GGUFModel:
 
         heads = int(self._a("attention.head_count"))
         hidden = int(self._a("embedding_length"))
-        names = {t.name for t in self.reader.tensors}
+        names = {t.name for t in self.tensors}
         vocab = int(self._a("vocab_size") or len(self._field("tokenizer.ggml.tokens")))
-        types = {t.tensor_type.name for t in self.reader.tensors if t.name.endswith(".weight") and "norm" not in t.name}
+        types = {t.tensor_type.name for t in self.tensors if t.name.endswith(".weight") and "norm" not in t.name}
         low_precision = types - {"F32"}
         raw = {
             "architectures": [_ARCHITECTURES[self.arch]], "vocab_size": vocab, "hidden_size": hidden,
@@ -145,7 +137,7 @@ class GGUFModel:
         heads = int(self._a("attention.head_count"))
         kv_heads = int(self._a("attention.head_count_kv") or heads)
         out: dict[str, torch.Tensor] = {}
-        for t in self.reader.tensors:
+        for t in self.tensors:
             name = _hf_name(t.name)
             if name is None:
                 continue

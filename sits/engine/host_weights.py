@@ -36,6 +36,8 @@ class SharedHostRegion:
             except OSError:
                 os.close(fd)
                 raise
+        else:
+            os.set_inheritable(fd, False)     # as a region made here (a descriptor received has no CLOEXEC)
         self.fd = fd
         self.mapping = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         try:        # 2 MiB pages where the kernel gives them to shared memory: fewer faults when a fork reads it
@@ -84,17 +86,19 @@ def move_to_shared_region(model: nn.Module) -> SharedHostRegion:
 
 
 class _RegionPickler(pickle.Pickler):
-    """Pickles an object graph with every tensor inside ``region`` written as its place there."""
+    """Pickles an object graph with every tensor on ``region``'s storage written as its place there
+    (storage offset, dtype, shape, stride), never its bytes."""
 
     def __init__(self, file, region: SharedHostRegion):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.region = region
         self.base = region.tensor.untyped_storage().data_ptr()
 
     def persistent_id(self, obj):
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and self.region.contains(obj):
-            return ("region", obj.data_ptr() - self.base, str(obj.dtype).removeprefix("torch."), tuple(obj.shape),
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.untyped_storage().data_ptr() == self.base:
+            return ("region", obj.storage_offset(), str(obj.dtype).removeprefix("torch."), tuple(obj.shape),
                     obj.stride(), isinstance(obj, nn.Parameter))
+        if isinstance(obj, (torch.UntypedStorage, torch.TypedStorage)) and obj.data_ptr() == self.base:
+            raise pickle.PicklingError("the region's storage itself would be pickled whole")
         return None
 
 
@@ -107,15 +111,14 @@ class _RegionUnpickler(pickle.Unpickler):
     def persistent_load(self, pid):
         if pid not in self.seen:
             _, offset, dtype_name, shape, stride, is_param = pid
-            dtype = getattr(torch, dtype_name)
-            t = torch.empty(0, dtype=dtype).set_(self.storage, offset // dtype.itemsize, shape, stride)
+            t = torch.empty(0, dtype=getattr(torch, dtype_name)).set_(self.storage, offset, shape, stride)
             self.seen[pid] = nn.Parameter(t, requires_grad=False) if is_param else t
         return self.seen[pid]
 
 
 def dumps_in_region(obj, region: SharedHostRegion) -> bytes:
     """``obj`` pickled with its tensors in ``region`` as references, not bytes: another process that
-    maps the same region (``SharedHostRegion.attach``) rebuilds it around the same pages."""
+    maps the same region (``SharedHostRegion(nbytes, fd=...)``) rebuilds it around the same pages."""
     buf = io.BytesIO()
     _RegionPickler(buf, region).dump(obj)
     return buf.getvalue()

@@ -32,7 +32,7 @@ from sits.runtime.unit_store import UnitStore
 from sits.runtime.unit import UnitBackend
 from sits.runtime.mesh_unit import MeshUnit
 from sits.runtime.remote_unit import RemoteUnit
-from sits.runtime.zygote import ZygoteClient
+from sits.runtime.zygote import ZygoteClient, weights_key
 from sits.runtime.finetune_jobs import FinetuneJobs
 from sits.tenancy.service import Tenancy
 
@@ -351,8 +351,7 @@ class Gateway:
         cfg = unit.spec.engine_config()
         if self.zygote is None or not self.zygote.alive or (unit.device_reserve_bytes and cfg.quantization):
             return None
-        from sits.engine.llm_engine import PreloadedModel
-        return "weights:" + "|".join(map(str, PreloadedModel.key(cfg)))
+        return "weights:" + weights_key(asdict(cfg))
 
     def host_copy(self, unit: UnitBackend) -> dict | None:
         """The weights the zygote keeps for ``unit``: ``{"state": "loading"}`` while they are built (a GPU
@@ -360,8 +359,7 @@ class Gateway:
         instances load their own) with how long it took; None where none is kept."""
         if self.cluster is not None or self._weights_group(unit) is None:
             return None
-        cfg = asdict(unit.spec.engine_config())
-        done = self.zygote.preloads.get((cfg["model"], cfg["device"]))
+        done = self.zygote.preload_state(asdict(unit.spec.engine_config()))
         if done is None:
             return {"state": "loading"}
         return {"state": "ready" if done["ok"] else "failed", "ms": done["ms"]}

@@ -100,7 +100,12 @@ class NodeAgent:
         if len(mine) < want:
             raise RuntimeError(f"node {self.node_id[:12]}: {want} GPU(s) reserved but only {len(mine)} free here")
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, mine))}
-        child = await self.zygote.fork(f"tcp://{self.ip}:0", cfg, token=token, env=env)
+        pending = -id(env)                  # held while the fork is under way (it may wait for a host copy)
+        self.gpus_of[pending] = mine
+        try:
+            child = await self.zygote.fork(f"tcp://{self.ip}:0", cfg, token=token, env=env)
+        finally:
+            del self.gpus_of[pending]
         if mine:
             self.gpus_of[child.pid] = mine
         return {"pid": child.pid, "address": child.address, "node_id": self.node_id, "ip": self.ip, "gpus": mine}

@@ -88,6 +88,19 @@ def _key(cfg_dict: dict) -> tuple | None:
         return None
 
 
+def weights_key(cfg_dict: dict) -> str | None:
+    """The preloaded model a config's instances share, as a string (configs that differ only in what
+    does not change the weights share one): how the zygote reports a preload and the gateway
+    groups units' weights."""
+    key = _key(cfg_dict)
+    return None if key is None else "|".join(map(str, key))
+
+
+def _models_now() -> dict:
+    """What is preloaded, by key and object: a model built again under the same key is a change."""
+    return {k: id(v) for k, v in _MODELS.items()}
+
+
 def _loads_apart(cfg_dict: dict) -> bool:
     """A GPU unit's host copy is built by a loader process (``_Loaders``); a CPU unit's here."""
     from sits.engine.config import resolve_device
@@ -186,6 +199,10 @@ def _fork_with_pair(kind: int, keep_closed: list[socket.socket], body, what: str
 def _child(sock_path: str, cfg: dict, fds_to_close: list[socket.socket], preloaded=None,
            listener: socket.socket | None = None, token: str | None = None) -> None:
     _as_child(fds_to_close)
+    # other GPU units' host copies: unmapped here, so an undeployed unit's shared pages go with the
+    # zygote's copy (a CPU model's pages are the zygote's copy-on-write: dropping them frees nothing)
+    for key in [k for k, m in _MODELS.items() if m is not preloaded and m.host_region is not None]:
+        del _MODELS[key]
     from sits.runtime.instance_worker import serve_instance
     _run_child(lambda: serve_instance(cfg, sock_path, preloaded, listener, token))
 
@@ -225,11 +242,11 @@ def _stand_by(device: str, assignment: socket.socket) -> int:
     sock_path, cfg, token = pickle.loads(msg)
     listener = socket.socket(fileno=fds[0])
     pre = _inherited(cfg)
-    for key in [k for k, m in _MODELS.items() if m is not pre]:     # other units' weights: not this instance's
-        del _MODELS[key]
-    if dev.type == "cuda":
+    if dev.type == "cuda":                  # unpinned before their memory can be unmapped
         from sits.engine.host_weights import unpin_all
         unpin_all(keep=[pre.host_region.tensor] if pre is not None and pre.host_region is not None else [])
+    for key in [k for k, m in _MODELS.items() if m is not pre]:     # other units' weights: not this instance's
+        del _MODELS[key]
     from sits.runtime.instance_worker import serve_instance
     return serve_instance(cfg, sock_path, pre, listener, token, start_requested_at=requested_at)
 
@@ -239,7 +256,7 @@ class _Standby:
     pid: int
     device: str
     sock: socket.socket          # the zygote's end of the pair: "ready" comes up it, a start goes down
-    models: frozenset            # the preloaded models it inherited (their keys)
+    models: frozenset            # the preloaded models it inherited: (key, id) pairs
     ready: bool = False          # its device is set up: a start handed to it skips that
 
 
@@ -280,7 +297,7 @@ class _Standbys:
         forked = _fork_with_pair(socket.SOCK_SEQPACKET, self.keep_closed(), lambda pair: _stand_by(device, pair),
                                  f"a standby for {device}")
         if forked is not None:
-            self.live[forked[0]] = _Standby(forked[0], device, forked[1], frozenset(_MODELS))
+            self.live[forked[0]] = _Standby(forked[0], device, forked[1], frozenset(_models_now().items()))
 
     def _drop(self, s: _Standby) -> None:
         self.live.pop(s.pid, None)
@@ -293,10 +310,7 @@ class _Standbys:
         now instead of holding a context a while longer); it is reaped like any child."""
         self._drop(s)
         self.retired.add(s.pid)
-        try:
-            os.kill(s.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill(s.pid)
 
     def renew(self) -> None:
         """Fork them all again (the preloaded models changed: new ones must inherit them)."""
@@ -319,10 +333,10 @@ class _Standbys:
 
     def hand_over(self, device: str, sock_path: str, cfg: dict, token: str | None,
                   needs: tuple | None) -> tuple[int, str] | None:
-        """Give a start to a ready standby of ``device`` that inherited the preloaded model ``needs``
-        (if any): ``(pid, address)``, or None (none is ready: the start forks; one still setting its
-        device up might take longer than that). No replacement is forked here: the caller replies
-        first, then ``top_up()``."""
+        """Give a start to a ready standby of ``device`` that inherited ``needs`` (the preloaded model's
+        ``(key, id)``, if any): ``(pid, address)``, or None (none is ready: the start forks; one still
+        setting its device up might take longer than that). No replacement is forked here: the caller
+        replies first, then ``top_up()``."""
         ready = [s for s in self.live.values() if s.device == device and s.ready and (needs is None or needs in s.models)]
         if not ready:
             return None
@@ -368,6 +382,13 @@ class _Shutdown(Exception):
     """The gateway said ``shutdown``."""
 
 
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def _device_key(cfg: dict) -> str:
     """The device a config's engine runs on, spelled as the gateway names standby targets."""
     from sits.runtime.device_memory import device_key
@@ -388,6 +409,8 @@ def _unlink_socket(address: str) -> None:
 
 _LOADED_HEADER = struct.Struct("<QQ")      # the region's size, the pickled rest's size (the fd rides with it)
 LOADER_GATE = "SITS_LOADER_GATE"           # a test seam: a file whose lock a loader takes before it reads
+LOADER_NICE = 15                           # nicer than instances (instance_worker.DEFAULT_NICE)
+LOADER_DEADLINE_S = 1800.0                 # a loader still at work after this is killed (its starts load their own)
 
 
 def _load_apart(cfg_dict: dict, sock: socket.socket) -> int:
@@ -395,6 +418,8 @@ def _load_apart(cfg_dict: dict, sock: socket.socket) -> int:
     copy into a shared region), send it to the zygote and exit."""
     from sits.engine.config import EngineConfig
     from sits.engine.llm_engine import PreloadedModel
+    die_with_parent()                       # a zygote gone (killed while it loads) needs no copy
+    os.nice(LOADER_NICE)                    # cores serving requests come first
     if os.environ.get(LOADER_GATE):         # a test holds the load open while it checks the zygote serves
         with open(os.environ[LOADER_GATE]) as gate:
             fcntl.flock(gate, fcntl.LOCK_SH)
@@ -419,6 +444,8 @@ class _Loading:
     cfg: dict
     forks: list[tuple] = field(default_factory=list)    # fork messages for this unit, served once it is done
     started: float = field(default_factory=time.perf_counter)
+    received: bytearray = field(default_factory=bytearray)     # what it sent so far
+    fds: list[int] = field(default_factory=list)
 
 
 class _Loaders:
@@ -442,36 +469,58 @@ class _Loaders:
         if forked is None:
             self.failed.add(key)
             return
+        forked[1].setblocking(False)          # read as it comes, never waited on
         self.loading[key] = _Loading(forked[0], forked[1], cfg)
         self.unreaped.add(forked[0])
 
-    def finished(self, sock: socket.socket):
-        """A loader's socket is readable: ``(key, its _Loading, the PreloadedModel or None)``."""
+    def heard(self, sock: socket.socket):
+        """A loader's socket is readable: what it sent is taken in (never waiting for more); once all of
+        it is in, or the loader is gone, ``(key, its _Loading, the PreloadedModel or None)``."""
         key, job = next(((k, x) for k, x in self.loading.items() if x.sock is sock), (None, None))
         if job is None:
             return None
-        del self.loading[key]
-        pre, fds = None, []
         try:
-            head, fds, _, _ = socket.recv_fds(sock, _LOADED_HEADER.size, 1)
-            if fds and len(head) == _LOADED_HEADER.size:
-                nbytes, size = _LOADED_HEADER.unpack(head)
-                sock.settimeout(60)                  # the rest is being written now: a small pickle
-                data = bytearray()
-                while len(data) < size:
-                    chunk = sock.recv(min(size - len(data), 1 << 20))
-                    if not chunk:
-                        raise EOFError("the loader stopped mid-send")
-                    data += chunk
-                from sits.engine.llm_engine import PreloadedModel
-                pre = PreloadedModel.attach(fds.pop(0), nbytes, bytes(data))
+            data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 1)
+        except BlockingIOError:
+            return None
+        except OSError:
+            data, fds = b"", []
+        job.fds += fds
+        job.received += data
+        head = _LOADED_HEADER.size
+        if data and (len(job.received) < head or len(job.received) < head + _LOADED_HEADER.unpack_from(job.received)[1]):
+            return None
+        return self._finish(key, job)
+
+    def overdue(self) -> list:
+        """Loaders past ``LOADER_DEADLINE_S``, killed: their results (no model) as ``heard`` gives them."""
+        now = time.perf_counter()
+        out = []
+        for key, job in list(self.loading.items()):
+            if now - job.started > LOADER_DEADLINE_S:
+                print(f"zygote: the loader of {job.cfg.get('model')} took over {LOADER_DEADLINE_S:.0f} s; killed",
+                      file=sys.stderr)
+                _kill(job.pid)
+                out.append(self._finish(key, job))
+        return out
+
+    def _finish(self, key: tuple, job: _Loading):
+        del self.loading[key]
+        job.sock.close()
+        pre, head = None, _LOADED_HEADER.size
+        try:
+            if job.fds and len(job.received) >= head:
+                nbytes, size = _LOADED_HEADER.unpack_from(job.received)
+                if len(job.received) == head + size:
+                    from sits.engine.llm_engine import PreloadedModel
+                    pre = PreloadedModel.attach(job.fds.pop(0), nbytes, bytes(job.received[head:]))
         except Exception as e:  # noqa: BLE001 - a broken hand-over is a failed preload, never a dead zygote
             print(f"zygote: receiving {job.cfg.get('model')} from its loader failed: {e}", file=sys.stderr)
             pre = None
         finally:
-            for fd in fds:              # one not taken by a region
+            for fd in job.fds:          # any not taken by a region
                 os.close(fd)
-            sock.close()
+            job.fds.clear()
         if pre is None:
             self.failed.add(key)
         return key, job, pre
@@ -482,10 +531,9 @@ class _Loaders:
         if job is None:
             return []
         job.sock.close()
-        try:
-            os.kill(job.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for fd in job.fds:
+            os.close(fd)
+        _kill(job.pid)
         return job.forks
 
     def stop(self) -> None:
@@ -512,7 +560,7 @@ class _Zygote:
     def serve(self, msg: tuple) -> None:
         """One message from the gateway (see the module docstring)."""
         if msg[0] == "preload":
-            self.preload(msg[1], again=True)
+            self.preload(msg[1])
         elif msg[0] == "forget":        # its unit is gone: children that use it keep their copy
             key = _key(msg[1])
             waiting = self.loaders.cancel(key) if key is not None else []
@@ -523,57 +571,50 @@ class _Zygote:
             self.standbys.set_target(msg[1], msg[2])
         elif msg[0] == "fork":
             cfg = msg[2]
-            if _loads_apart(cfg):
+            if _loads_apart(cfg):       # its copy, if one is kept or being built (only a preload starts one)
                 key = _key(cfg)
-                if key is not None and key not in _MODELS:
-                    self.preload(cfg, again=False)
-                    if key in self.loaders.loading:        # served when its host copy is ready
-                        self.loaders.loading[key].forks.append(msg)
-                        return
+                if key is not None and key in self.loaders.loading:
+                    self.loaders.loading[key].forks.append(msg)     # served when the copy is in
+                    return
                 self.fork(msg, _MODELS.get(key))
             else:
                 self.fork(msg, _preloaded(cfg))
         elif msg[0] == "shutdown":
             raise _Shutdown
 
-    def preload(self, cfg: dict, again: bool) -> None:
-        """Build a unit's model ahead of its starts: a CPU unit's here, a GPU unit's by a loader
-        (``again``: one that failed before is tried again, as a deploy asks). Reported as
-        ``("preloaded", model, device, ok, ms)`` when done (a loader's: when it is)."""
+    def preload(self, cfg: dict) -> None:
+        """Build a unit's model ahead of its starts: a CPU unit's here, a GPU unit's by a loader (one
+        that failed before is tried again). Reported as ``("preloaded", weights_key, ok, ms)`` when
+        done (a loader's: when it is)."""
+        key = _key(cfg)
+        if key is None:
+            return                      # a config that does not build: its instances report why
+
         def done(ok: bool, ms: float) -> None:
-            self.report(("preloaded", cfg.get("model"), cfg.get("device"), ok, round(ms, 1)))
+            self.report(("preloaded", "|".join(map(str, key)), ok, round(ms, 1)))
 
         if not _loads_apart(cfg):
             t0 = time.perf_counter()
             done(_preloaded(cfg) is not None, (time.perf_counter() - t0) * 1e3)
-            return
-        key = _key(cfg)
-        if key is not None and key in self.loaders.loading:
-            return
-        if key is not None and key in _MODELS:
+        elif key in _MODELS:
             done(True, 0.0)
-            return
-        if again and key is not None:
+        elif key not in self.loaders.loading:
             self.loaders.failed.discard(key)
-        if key is None or key in self.loaders.failed:
-            done(False, 0.0)
-            return
-        self.loaders.start(key, cfg)
-        if key in self.loaders.failed:          # it could not fork
-            done(False, 0.0)
+            self.loaders.start(key, cfg)
+            if key in self.loaders.failed:      # it could not fork
+                done(False, 0.0)
 
-    def loaded(self, sock: socket.socket) -> None:
+    def loaded(self, done) -> None:
         """A loader is done (or gone): its model kept, the starts that waited for it served."""
-        done = self.loaders.finished(sock)
-        if done is None:
-            return
         key, job, pre = done
         seconds = time.perf_counter() - job.started
         if pre is not None:
             _MODELS[key] = pre
-            print(f"zygote: preloaded {job.cfg.get('model')} for {key[-1]} in {seconds:.1f} s ({pre.host_region.nbytes / 2**20:.0f} MiB)",
-                  file=sys.stderr)
-        self.report(("preloaded", job.cfg.get("model"), job.cfg.get("device"), pre is not None, round(seconds * 1e3, 1)))
+            print(f"zygote: preloaded {job.cfg.get('model')} for {key[-1]} in {seconds:.1f} s "
+                  f"({pre.host_region.nbytes / 2**20:.0f} MiB)", file=sys.stderr)
+        else:
+            print(f"zygote: no host copy of {job.cfg.get('model')}: its instances load their own", file=sys.stderr)
+        self.report(("preloaded", "|".join(map(str, key)), pre is not None, round(seconds * 1e3, 1)))
         for fork in job.forks:
             self.fork(fork, pre)
 
@@ -584,7 +625,8 @@ class _Zygote:
         opts = opts[0] if opts else {}
         token, child_env, rid = opts.get("token"), opts.get("env") or {}, opts.get("id")
         if not child_env:
-            handed = self.standbys.hand_over(_device_key(cfg), sock_path, cfg, token, _key(cfg) if pre else None)
+            needs = (_key(cfg), id(pre)) if pre is not None else None
+            handed = self.standbys.hand_over(_device_key(cfg), sock_path, cfg, token, needs)
             if handed is not None:
                 self.children.add(handed[0])
                 self.report(("forked", *handed, {"standby": True, "id": rid}))
@@ -627,12 +669,15 @@ class _Zygote:
         decoder = FrameDecoder()
         while True:
             readable, _, _ = select.select([self.conn, *self.standbys.sockets(), *self.loaders.sockets()], [], [], 0.2)
-            models = set(_MODELS)
+            models = _models_now()
             for sock in readable:
                 if sock in self.loaders.sockets():
-                    self.loaded(sock)
+                    if (done := self.loaders.heard(sock)) is not None:
+                        self.loaded(done)
                 elif sock is not self.conn:
                     self.standbys.heard(sock)
+            for done in self.loaders.overdue():
+                self.loaded(done)
             if self.conn in readable:
                 data = self.conn.recv(1 << 16)
                 if not data:
@@ -642,7 +687,7 @@ class _Zygote:
                         self.serve(msg)
                     except _Shutdown:
                         return 0
-            if set(_MODELS) != models:
+            if _models_now() != models:
                 self.standbys.renew()       # forked again, to inherit what is preloaded now
             if readable:
                 self.standbys.top_up()      # replacements (after any reply: a fork takes time)
@@ -741,8 +786,8 @@ class ZygoteClient:
         self._children: dict[int, ForkedProcess] = {}
         self.standbys: dict[int, str] = {}              # ready standby processes: pid -> device
         self._standby_changed = asyncio.Event()
-        # preloaded models, by (model, device) as configured: {"ok": bool, "ms": float} once built (or not)
-        self.preloads: dict[tuple[str, str], dict] = {}
+        # preloaded models, by weights_key: {"ok": bool, "ms": float} once built (or not)
+        self.preloads: dict[str, dict] = {}
         self._preloads_changed = asyncio.Event()
         self.alive = True
         self._task = asyncio.get_running_loop().create_task(self._read_loop(), name="zygote-reader")
@@ -778,7 +823,7 @@ class ZygoteClient:
     def preload(self, cfg: dict) -> None:
         """Have the zygote build this model now, so the unit's first fork inherits it (``preloads``
         says when it is done)."""
-        self.preloads.pop((cfg.get("model"), cfg.get("device")), None)
+        self.preloads.pop(weights_key(cfg), None)
         if self.alive:
             self._writer.write(encode(("preload", cfg)))
 
@@ -826,6 +871,10 @@ class ZygoteClient:
         self._writer.write(encode(("fork", sock_path, cfg, {"token": token, "env": env or {}, "id": rid})))
         try:
             reply = await reply_to          # a start waiting for its unit's host copy does not hold up others
+        except asyncio.CancelledError:      # cancelled after its reply came: that instance is no one's
+            if reply_to.done() and not reply_to.cancelled() and reply_to.result()[0] == "forked":
+                _kill(reply_to.result()[1])
+            raise
         finally:
             self._replies.pop(rid, None)
         if reply[0] != "forked":
@@ -853,7 +902,7 @@ class ZygoteClient:
                 elif msg[0] == "standby_gone":
                     self.standbys.pop(msg[1], None)
                 elif msg[0] == "preloaded":
-                    self.preloads[(msg[1], msg[2])] = {"ok": msg[3], "ms": msg[4]}
+                    self.preloads[msg[1]] = {"ok": msg[2], "ms": msg[3]}
                     self._preloads_changed.set()
                 elif msg[0] in ("forked", "fork_failed"):
                     self._replied(msg)
@@ -876,16 +925,17 @@ class ZygoteClient:
         if reply_to is not None and not reply_to.done():
             reply_to.set_result(msg)
         elif msg[0] == "forked":        # its caller gave up (cancelled): the instance is no one's
-            try:
-                os.kill(msg[1], signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill(msg[1])
 
-    async def wait_preloaded(self, model: str, device: str, timeout_s: float) -> dict | None:
-        """Until the zygote reports the model ``preload`` asked for (``model`` and ``device`` as in its
-        config) built or failed: ``{"ok", "ms"}``, or None (not within ``timeout_s``)."""
-        if await self._until(lambda: (model, device) in self.preloads, self._preloads_changed, timeout_s):
-            return self.preloads[(model, device)]
+    def preload_state(self, cfg: dict) -> dict | None:
+        """What the zygote said of ``cfg``'s preloaded model (``{"ok", "ms"}``), or None (not yet)."""
+        return self.preloads.get(weights_key(cfg))
+
+    async def wait_preloaded(self, cfg: dict, timeout_s: float) -> dict | None:
+        """Until the zygote reports ``cfg``'s preloaded model built or failed: ``{"ok", "ms"}``, or None
+        (not within ``timeout_s``)."""
+        if await self._until(lambda: self.preload_state(cfg) is not None, self._preloads_changed, timeout_s):
+            return self.preload_state(cfg)
         return None
 
     async def shutdown(self) -> None:
