@@ -8,11 +8,10 @@ Per checkout: ms per decode step at 1, 8 and 32 streams with 16-token prompts, a
 256-token prompts (attention over a longer context).
 """
 
-import json
 import os
-import statistics
-import subprocess
 import sys
+
+from ab import alternate, medians
 
 CHILD = r"""
 import json, statistics, sys, time
@@ -38,19 +37,10 @@ print(json.dumps({f"{n}x{p}": statistics.median(run(n, p) for _ in range(2))
 
 
 def main(model: str, dtype: str, old: str, new: str, rounds: int = 3) -> None:
-    codes = {"old": os.path.abspath(old), "new": os.path.abspath(new)}
-    runs: dict[str, list[dict]] = {c: [] for c in codes}
-    for r in range(rounds):
-        for c in (list(codes) if r % 2 == 0 else list(reversed(codes))):
-            env = dict(os.environ, PYTHONPATH=codes[c])
-            p = subprocess.run([sys.executable, "-c", CHILD, os.path.abspath(model), dtype], capture_output=True,
-                               text=True, env=env, cwd="/", check=True)
-            runs[c].append(json.loads(p.stdout.strip().splitlines()[-1]))
-            print(f"round {r + 1}/{rounds} {c}: {runs[c][-1]}", file=sys.stderr, flush=True)
+    med = medians(alternate(CHILD, [os.path.abspath(model), dtype], old, new, rounds))
     print("| streams x prompt | old ms/step | new ms/step | speed-up |\n|---|---|---|---|")
-    for key in runs["old"][0]:
-        a = statistics.median(x[key] for x in runs["old"])
-        b = statistics.median(x[key] for x in runs["new"])
+    for key, a in med["old"].items():
+        b = med["new"][key]
         print(f"| {key} | {a:.1f} | {b:.1f} | {a / b:.2f}× |")
 
 

@@ -9,11 +9,10 @@ Per checkout: the engine's cold-start phases (imports, config, weights, tokenize
 warm-up) and the wall time from the interpreter's start to the engine ready.
 """
 
-import json
 import os
-import statistics
-import subprocess
 import sys
+
+from ab import alternate, medians
 
 CHILD = r"""
 import json, sys, time
@@ -26,23 +25,14 @@ print(json.dumps(out))
 
 
 def main(model: str, old: str, new: str, rounds: int = 3) -> None:
-    codes = {"old": os.path.abspath(old), "new": os.path.abspath(new)}
-    runs: dict[str, list[dict]] = {c: [] for c in codes}
-    for r in range(rounds):
-        for c in (list(codes) if r % 2 == 0 else list(reversed(codes))):
-            env = dict(os.environ, PYTHONPATH=codes[c])
-            p = subprocess.run([sys.executable, "-c", CHILD, os.path.abspath(model)], capture_output=True, text=True,
-                               env=env, cwd="/", check=True)
-            phases = json.loads(p.stdout.strip().splitlines()[-1])
-            phases["ready (sum)"] = sum(phases.values())
-            runs[c].append(phases)
-            print(f"round {r + 1}/{rounds} {c}: {phases}", file=sys.stderr, flush=True)
-    keys = [k for k in runs["old"][0] if all(k in x for c in codes for x in runs[c])]
-    med = {c: {k: statistics.median(x[k] for x in runs[c]) for k in keys} for c in codes}
+    runs = alternate(CHILD, [os.path.abspath(model)], old, new, rounds)
+    for phases in (x for xs in runs.values() for x in xs):
+        phases["ready (sum)"] = sum(phases.values())
+    med = medians(runs)
     print("| phase (median of %d) | old ms | new ms | new/old |\n|---|---|---|---|" % rounds)
-    for k in keys:
-        ratio = med["new"][k] / med["old"][k] if med["old"][k] else float("nan")
-        print(f"| {k} | {med['old'][k]:.0f} | {med['new'][k]:.0f} | {ratio:.2f} |")
+    for k, a in med["old"].items():
+        ratio = med["new"][k] / a if a else float("nan")
+        print(f"| {k} | {a:.0f} | {med['new'][k]:.0f} | {ratio:.2f} |")
 
 
 if __name__ == "__main__":

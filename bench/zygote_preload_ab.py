@@ -7,16 +7,15 @@ in the same run.
 
 Per checkout, with a fresh zygote: the CPU unit is deployed and started once (its weights preloaded);
 then the GPU unit is deployed (its weights are read, converted to bf16, merged and copied into shared
-host memory; no GPU is needed for that) and a start of the CPU unit is asked for at once. Reported:
-how long that start's fork took to come back, and how long the GPU unit's first start waited for its
-copy. The GPU unit's instance itself cannot start on a host without CUDA; it is killed.
+host memory; no GPU is needed for that) and a start of the CPU unit, then one of the GPU unit, are
+asked for at once. Reported: how long each start's fork took to come back, and when the GPU unit's
+host copy was in. The GPU unit's instance itself cannot start on a host without CUDA; it is killed.
 """
 
-import json
 import os
-import statistics
-import subprocess
 import sys
+
+from ab import alternate, medians
 
 CHILD = r"""
 import asyncio, json, sys, tempfile, time
@@ -36,33 +35,27 @@ async def main():
         t0 = time.perf_counter()
         z.preload(gpu)
         child = await z.fork(d + "/b.sock", cpu)
-        fork_ms = (time.perf_counter() - t0) * 1e3
-        gpu_child = await z.fork(d + "/c.sock", gpu)  # returns once the GPU unit's host copy is built
+        cpu_ms = (time.perf_counter() - t0) * 1e3
+        gpu_child = await z.fork(d + "/c.sock", gpu)
         gpu_ms = (time.perf_counter() - t0) * 1e3
+        if hasattr(z, "wait_preloaded"):              # a copy built apart: reported when it is in
+            await z.wait_preloaded(gpu, 600)
+        copy_ms = (time.perf_counter() - t0) * 1e3    # (before: the GPU fork came back once it was)
         for c in (child, gpu_child):
             c.kill()
     finally:
         await z.shutdown()
-    print(json.dumps({"cpu_start_fork_ms": fork_ms, "gpu_copy_ready_ms": gpu_ms}))
+    print(json.dumps({"cpu_start_fork_ms": cpu_ms, "gpu_start_fork_ms": gpu_ms, "gpu_copy_ready_ms": copy_ms}))
 
 asyncio.run(main())
 """
 
 
 def main(cpu_model: str, gpu_model: str, old: str, new: str, rounds: int = 3) -> None:
-    codes = {"old": os.path.abspath(old), "new": os.path.abspath(new)}
-    runs: dict[str, list[dict]] = {c: [] for c in codes}
-    for r in range(rounds):
-        for c in (list(codes) if r % 2 == 0 else list(reversed(codes))):
-            env = dict(os.environ, PYTHONPATH=codes[c])
-            p = subprocess.run([sys.executable, "-c", CHILD, os.path.abspath(cpu_model), os.path.abspath(gpu_model)],
-                               capture_output=True, text=True, env=env, cwd="/", check=True)
-            runs[c].append(json.loads(p.stdout.strip().splitlines()[-1]))
-            print(f"round {r + 1}/{rounds} {c}: {runs[c][-1]}", file=sys.stderr, flush=True)
-    med = {c: {k: statistics.median(x[k] for x in runs[c]) for k in runs[c][0]} for c in codes}
+    med = medians(alternate(CHILD, [os.path.abspath(cpu_model), os.path.abspath(gpu_model)], old, new, rounds))
     print("| measure (median of %d) | old ms | new ms | new/old |\n|---|---|---|---|" % rounds)
-    for k in med["old"]:
-        print(f"| {k} | {med['old'][k]:.0f} | {med['new'][k]:.0f} | {med['new'][k] / med['old'][k]:.2f} |")
+    for k, a in med["old"].items():
+        print(f"| {k} | {a:.0f} | {med['new'][k]:.0f} | {med['new'][k] / a:.2f} |")
 
 
 if __name__ == "__main__":

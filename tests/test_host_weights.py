@@ -87,11 +87,11 @@ def test_a_host_copy_sent_to_another_process_maps_the_same_pages(tiny_model_dir)
     assert got.tokenizer.apply_chat_template(chat) == pre.tokenizer.apply_chat_template(chat)
 
 
-def test_a_gpu_units_weights_load_apart_while_the_zygote_forks_other_units(tiny_model_dir, tmp_path):
-    """A GPU unit's host copy is built by a loader process: the zygote forks another unit's instance
-    meanwhile, and a start of the GPU unit waits for its copy. A loader that dies, or an undeploy
-    while it loads, ends the wait (those starts load their own). The loader is held on a lock its
-    test seam names."""
+def test_a_gpu_units_weights_load_apart_while_the_zygote_forks(tiny_model_dir, tmp_path):
+    """A GPU unit's host copy is built by a loader process: the zygote forks instances meanwhile, the
+    GPU unit's own among them (it reads the checkpoint itself rather than wait), and maps the copy
+    when it comes. A loader that dies is a failed preload; an undeploy stops the load. The loader is
+    held on a lock its test seam names."""
     from sits.runtime.zygote import LOADER_GATE, ZygoteClient
     from test_standby import zygote_children
 
@@ -105,6 +105,10 @@ def test_a_gpu_units_weights_load_apart_while_the_zygote_forks_other_units(tiny_
             c.kill()
             await asyncio.wait_for(c.wait_async(), 60)
 
+    def mapped(pid: int) -> bool:
+        with open(f"/proc/{pid}/maps") as f:
+            return "memfd:sits-weights" in f.read()
+
     async def main() -> None:
         with open(gate) as held:
             fcntl.flock(held, fcntl.LOCK_EX)
@@ -112,40 +116,35 @@ def test_a_gpu_units_weights_load_apart_while_the_zygote_forks_other_units(tiny_
             zpid = zygote.info["pid"]
             try:
                 zygote.preload(gpu)
-                gpu_start = asyncio.create_task(zygote.fork(str(tmp_path / "g1.sock"), gpu))
-                child = await asyncio.wait_for(zygote.fork(str(tmp_path / "c.sock"), cpu), 120)
-                assert not child.standby and child.poll() is None
-                assert not gpu_start.done() and zygote.preload_state(gpu) is None
-                with open(f"/proc/{zpid}/maps") as f:
-                    assert "memfd:sits-weights" not in f.read()
+                loader = wait_for(lambda: zygote_children(zpid), what="the loader forked")
+                cpu_child = await asyncio.wait_for(zygote.fork(str(tmp_path / "c.sock"), cpu), 120)
+                gpu_child = await asyncio.wait_for(zygote.fork(str(tmp_path / "g1.sock"), gpu), 120)
+                assert zygote.preload_state(gpu) is None and not mapped(zpid)     # the load is still held
+                assert zygote_children(zpid) == loader | {cpu_child.pid, gpu_child.pid}
+                await stop(cpu_child, gpu_child)
                 fcntl.flock(held, fcntl.LOCK_UN)               # the checkpoint can be read now
                 assert (await zygote.wait_preloaded(gpu, 120))["ok"] is True
-                first = await asyncio.wait_for(gpu_start, 120)     # served once the copy is in
-                with open(f"/proc/{zpid}/maps") as f:
-                    assert "memfd:sits-weights" in f.read()        # the loader's pages, mapped by the zygote
-                await stop(child, first)
+                assert mapped(zpid)                              # the loader's pages, mapped by the zygote
+                after = await asyncio.wait_for(zygote.fork(str(tmp_path / "g2.sock"), gpu), 120)
+                assert mapped(after.pid)                         # inherited by the starts after it
+                await stop(after)
 
-                # a loader that dies: the start that waited is served (without a copy), the preload failed
+                # a loader that dies: the preload failed (starts read the checkpoint themselves)
                 zygote.forget(gpu)
                 fcntl.flock(held, fcntl.LOCK_EX)
                 zygote.preload(gpu)
-                waiting = asyncio.create_task(zygote.fork(str(tmp_path / "g2.sock"), gpu))
                 loader = wait_for(lambda: zygote_children(zpid), what="the loader forked")
                 os.kill(next(iter(loader)), signal.SIGKILL)
-                await stop(await asyncio.wait_for(waiting, 120))
                 assert (await zygote.wait_preloaded(gpu, 120))["ok"] is False
+                wait_for(lambda: not zygote_children(zpid), what="the loader reaped")
 
-                # undeployed while its copy is being built: the load stops, its waiting start is served
+                # undeployed while its copy is being built: the loader is stopped
                 zygote.preload(gpu)                              # tried again
-                forked = await asyncio.wait_for(asyncio.gather(      # the forget is sent after the fork
-                    zygote.fork(str(tmp_path / "g3.sock"), gpu), _forget_soon(zygote, gpu)), 120)
-                await stop(forked[0])
+                wait_for(lambda: zygote_children(zpid), what="the loader forked")
+                zygote.forget(gpu)
+                wait_for(lambda: not zygote_children(zpid), what="the loader stopped")
                 assert zygote.preload_state(gpu) is None
             finally:
                 await zygote.shutdown()
 
     asyncio.run(main())
-
-
-async def _forget_soon(zygote, cfg: dict) -> None:
-    zygote.forget(cfg)          # sent after the fork (frames keep their order)

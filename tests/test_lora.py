@@ -303,30 +303,42 @@ def test_adapters_over_http_with_the_openai_client(serve_tiny, tiny_adapters, en
     assert [a["id"] for a in listed] == ["tiny:ad1"]
 
 
-@pytest.mark.parametrize("mode", ["gathered", "groups"])
-def test_every_row_gets_its_own_adapter_in_a_mixed_step(base, adapters, mode):
-    """Rows of two adapters and of the base model in one forward (batched matmuls over the slots'
-    stacks, or one adapter at a time): each row equals its sequence run with its adapter alone."""
+@pytest.mark.parametrize("mode, names, in_place", [
+    ("gathered", ["a", "c", None, "b"], True),      # slots 0-2, read where they are
+    ("gathered", ["a", "c", None, "a"], True),      # slots 0 and 2: slot 1 gets a group of padding
+    ("gathered", ["a", "e", None, "e"], False),     # slots 0 and 4 of 5: those two gathered
+    ("groups", ["a", "c", None, "b"], None)])
+def test_every_row_gets_its_own_adapter_in_a_mixed_step(base, adapters, mode, names, in_place):
+    """Rows of several adapters and of the base model in one forward (batched matmuls over the slots'
+    stacks, read in place or gathered, or one adapter at a time): each row equals its sequence run
+    with its adapter alone."""
     path, _ = base
     root, _ = adapters
     cfg = ModelConfig.from_dir(path)
     ours = load_model(path, cfg, torch.device("cpu"), torch.float32, cfg.max_position_embeddings)
     ours.fuse_projections()
-    manager = AdapterManager(ours, cfg, torch.device("cpu"), torch.float32, max_loras=3, max_rank=64)
-    for name in ("a", "b", "c"):
-        manager.load(name, root / name)
+    manager = AdapterManager(ours, cfg, torch.device("cpu"), torch.float32, max_loras=5, max_rank=64)
+    for name, folder in {"a": "a", "b": "b", "c": "c", "d": "a", "e": "b"}.items():
+        manager.add(name, manager.read(name, root / folder))
     if mode == "groups":
         manager.GATHER_WASTE = 0.0
     ids = torch.randint(0, BASE["vocab_size"], (4, 24), generator=torch.Generator().manual_seed(3))
-    names = ["a", "c", None, "b"]
     with torch.inference_mode():
+        for name in ("a", "b", "c", "d", "e"):          # resident in slots 0-4, in this order
+            manager.bind({name: list(range(24))}, 24)
+            ours.forward_dense(ids[:1])
         alone = []
         for row, name in zip(ids, names):
             manager.bind({name: list(range(24))} if name else {}, 24)
             alone.append(ours.forward_dense(row[None])[0])
-        rows_of = {n: list(range(i * 24, (i + 1) * 24)) for i, n in enumerate(names) if n}
+        rows_of: dict[str, list[int]] = {}
+        for i, n in enumerate(names):
+            if n:
+                rows_of.setdefault(n, []).extend(range(i * 24, (i + 1) * 24))
         manager.bind(rows_of, ids.numel())
         assert manager.batch.mode == mode
+        if in_place is not None:
+            assert (manager.batch.slots is None) == in_place
         mixed = ours.forward_dense(ids)
         manager.unbind()
     for got, want in zip(mixed, alone):

@@ -170,10 +170,12 @@ class LoraBatch:
     ``one``: every row runs the adapter in slot ``slot``. ``gathered``: the rows of ``G`` adapters,
     padded to ``n`` each (``gather``: [G*n] flat rows, the padding pointing at an extra zero row), run
     as two batched matmuls against those slots' stacks and added back (``valid`` of the padded
-    results to ``rows``). ``groups``: per slot its rows, when padding would waste too much.
+    results to ``rows``); the stacks are read in place when the groups are the slots ``span`` in
+    order (a slot between the step's ones gets a group of padding), else gathered (``slots``).
+    ``groups``: per slot its rows, when padding would waste too much.
     """
 
-    __slots__ = ("mode", "slot", "slots", "gather", "valid", "rows", "shape", "groups")
+    __slots__ = ("mode", "slot", "slots", "span", "gather", "valid", "rows", "shape", "groups")
 
     def __init__(self) -> None:
         self.clear()
@@ -182,6 +184,7 @@ class LoraBatch:
         self.mode: str | None = None
         self.slot = 0
         self.slots = self.gather = self.valid = self.rows = None
+        self.span = (0, 0)
         self.shape = (0, 0)
         self.groups: list[tuple[int, torch.Tensor]] = []
 
@@ -214,8 +217,12 @@ class LoraLinear(nn.Module):
         elif b.mode == "gathered":
             g, n = b.shape
             xp = torch.cat([x2, x2.new_zeros(1, x2.shape[1])]).index_select(0, b.gather).view(g, n, -1)
-            u = torch.bmm(xp, self.A.index_select(0, b.slots).transpose(1, 2))
-            d = torch.bmm(u, self.B.index_select(0, b.slots).transpose(1, 2)).view(g * n, -1)
+            if b.slots is None:         # the stacks in place: a gather would copy them every projection
+                A, B = self.A[b.span[0]:b.span[1]], self.B[b.span[0]:b.span[1]]
+            else:
+                A, B = self.A.index_select(0, b.slots), self.B.index_select(0, b.slots)
+            u = torch.bmm(xp, A.transpose(1, 2))
+            d = torch.bmm(u, B.transpose(1, 2)).view(g * n, -1)
             out2.index_add_(0, b.rows, d.index_select(0, b.valid))
         else:
             for slot, rows in b.groups:
@@ -296,6 +303,7 @@ class AdapterManager:
     in numbered slots (least recently used evicted first)."""
 
     GATHER_WASTE = 4.0         # padded rows / real rows above which a step's adapters run one by one
+    SPAN_WASTE = 2.0           # slots read in place / slots used, above which the used ones are gathered
 
     def __init__(self, model: nn.Module, mc: ModelConfig, device: torch.device, dtype: torch.dtype,
                  max_loras: int, max_rank: int):
@@ -381,13 +389,19 @@ class AdapterManager:
             b.mode = "groups"
             b.groups = [(slots[name], torch.tensor(rows, dtype=torch.long).to(to)) for name, rows in rows_of.items()]
             return
+        by_slot = {slots[name]: rows for name, rows in rows_of.items()}
+        lo, hi = min(by_slot), max(by_slot) + 1
+        in_place = hi - lo <= self.SPAN_WASTE * len(by_slot)
+        order = list(range(lo, hi)) if in_place else sorted(by_slot)
         gather, valid, flat = [], [], []
-        for g, rows in enumerate(rows_of.values()):
+        for g, slot in enumerate(order):
+            rows = by_slot.get(slot, [])
             gather += rows + [num_rows] * (n - len(rows))       # row num_rows: the zero row appended
             valid += range(g * n, g * n + len(rows))
             flat += rows
-        b.mode, b.shape = "gathered", (len(rows_of), n)
-        b.slots = torch.tensor([slots[name] for name in rows_of], dtype=torch.long).to(to)
+        b.mode, b.shape = "gathered", (len(order), n)
+        b.span = (lo, hi)
+        b.slots = None if in_place else torch.tensor(order, dtype=torch.long).to(to)
         b.gather = torch.tensor(gather, dtype=torch.long).to(to)
         b.valid = torch.tensor(valid, dtype=torch.long).to(to)
         b.rows = torch.tensor(flat, dtype=torch.long).to(to)

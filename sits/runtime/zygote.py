@@ -23,8 +23,8 @@ before they are used gets none (its starts fork as before).
 
 A GPU unit's host copy is built by a forked *loader* process (``_Loaders``), not in the zygote's
 loop, which keeps forking other units' instances meanwhile: the loader sends the shared region's
-descriptor and the model pickled around it, and the zygote maps the same pages. A start for a unit
-whose copy is still being built waits for it (other starts do not).
+descriptor and the model pickled around it, and the zygote maps the same pages. A start of a unit
+whose copy is still being built does not wait for it: its instance reads the checkpoint itself.
 
 Protocol (frames of ``sits.runtime.wire`` over a Unix socket, one client): ``("preload",
 engine_config_dict)`` → ``("preloaded", model, device, ok, ms)`` when built (or not);
@@ -442,7 +442,6 @@ class _Loading:
     pid: int
     sock: socket.socket            # the zygote's end: the result comes up it (EOF alone: it failed)
     cfg: dict
-    forks: list[tuple] = field(default_factory=list)    # fork messages for this unit, served once it is done
     started: float = field(default_factory=time.perf_counter)
     received: bytearray = field(default_factory=bytearray)     # what it sent so far
     fds: list[int] = field(default_factory=list)
@@ -525,16 +524,14 @@ class _Loaders:
             self.failed.add(key)
         return key, job, pre
 
-    def cancel(self, key: tuple) -> list[tuple]:
-        """Stop building ``key`` (its unit was undeployed): the fork messages that waited for it."""
+    def cancel(self, key: tuple) -> None:
+        """Stop building ``key`` (its unit was undeployed)."""
         job = self.loading.pop(key, None)
-        if job is None:
-            return []
-        job.sock.close()
-        for fd in job.fds:
-            os.close(fd)
-        _kill(job.pid)
-        return job.forks
+        if job is not None:
+            job.sock.close()
+            for fd in job.fds:
+                os.close(fd)
+            _kill(job.pid)
 
     def stop(self) -> None:
         for key in list(self.loading):
@@ -563,22 +560,18 @@ class _Zygote:
             self.preload(msg[1])
         elif msg[0] == "forget":        # its unit is gone: children that use it keep their copy
             key = _key(msg[1])
-            waiting = self.loaders.cancel(key) if key is not None else []
+            if key is not None:
+                self.loaders.cancel(key)
             _forget(msg[1])
-            for fork in waiting:
-                self.fork(fork, None)
         elif msg[0] == "standby":
             self.standbys.set_target(msg[1], msg[2])
         elif msg[0] == "fork":
+            # a GPU unit's start takes its host copy if it is in; one still being built is not waited
+            # for: the instance reads the checkpoint itself (straight to its device through pinned
+            # buffers, faster than the copy's read, merge and copy into shared memory), the copy serves
+            # the starts after it (only a preload starts a loader)
             cfg = msg[2]
-            if _loads_apart(cfg):       # its copy, if one is kept or being built (only a preload starts one)
-                key = _key(cfg)
-                if key is not None and key in self.loaders.loading:
-                    self.loaders.loading[key].forks.append(msg)     # served when the copy is in
-                    return
-                self.fork(msg, _MODELS.get(key))
-            else:
-                self.fork(msg, _preloaded(cfg))
+            self.fork(msg, _MODELS.get(_key(cfg)) if _loads_apart(cfg) else _preloaded(cfg))
         elif msg[0] == "shutdown":
             raise _Shutdown
 
@@ -605,7 +598,7 @@ class _Zygote:
                 done(False, 0.0)
 
     def loaded(self, done) -> None:
-        """A loader is done (or gone): its model kept, the starts that waited for it served."""
+        """A loader is done (or gone): its model kept for the starts to come."""
         key, job, pre = done
         seconds = time.perf_counter() - job.started
         if pre is not None:
@@ -615,8 +608,6 @@ class _Zygote:
         else:
             print(f"zygote: no host copy of {job.cfg.get('model')}: its instances load their own", file=sys.stderr)
         self.report(("preloaded", "|".join(map(str, key)), pre is not None, round(seconds * 1e3, 1)))
-        for fork in job.forks:
-            self.fork(fork, pre)
 
     def fork(self, msg: tuple, pre) -> None:
         """Start an instance: handed to a ready standby of its device that holds what a fork would
@@ -870,7 +861,7 @@ class ZygoteClient:
         reply_to = self._replies[rid] = asyncio.get_running_loop().create_future()
         self._writer.write(encode(("fork", sock_path, cfg, {"token": token, "env": env or {}, "id": rid})))
         try:
-            reply = await reply_to          # a start waiting for its unit's host copy does not hold up others
+            reply = await reply_to
         except asyncio.CancelledError:      # cancelled after its reply came: that instance is no one's
             if reply_to.done() and not reply_to.cancelled() and reply_to.result()[0] == "forked":
                 _kill(reply_to.result()[1])
