@@ -16,7 +16,9 @@ def alternate(child: str, args: list[str], old: str, new: str, rounds: int) -> d
     for r in range(rounds):
         for c in (list(codes) if r % 2 == 0 else list(reversed(codes))):
             p = subprocess.run([sys.executable, "-c", child, *args], capture_output=True, text=True,
-                               env=dict(os.environ, PYTHONPATH=codes[c]), cwd="/", check=True)
+                               env=dict(os.environ, PYTHONPATH=codes[c]), cwd="/")
+            if p.returncode:
+                sys.exit(f"the {c} checkout's run failed:\n{p.stderr}")
             runs[c].append(json.loads(p.stdout.strip().splitlines()[-1]))
             print(f"round {r + 1}/{rounds} {c}: {runs[c][-1]}", file=sys.stderr, flush=True)
     return runs

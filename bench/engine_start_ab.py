@@ -2,11 +2,11 @@
 checkouts of SITS, in separate processes taking turns (order reversed every round), medians of the
 rounds: old vs new code in the same run.
 
-    git worktree add /tmp/old HEAD~1
+    git worktree add /tmp/old f5001d6       # the code before SITS decoded GGUF itself
     .venv/bin/python bench/engine_start_ab.py MODEL /tmp/old . [ROUNDS]
 
 Per checkout: the engine's cold-start phases (imports, config, weights, tokenizer, kv_allocation; no
-warm-up) and the wall time from the interpreter's start to the engine ready.
+warm-up) and their sum ("imports" counts from the interpreter's start, so the sum is the time to ready).
 """
 
 import os

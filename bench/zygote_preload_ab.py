@@ -2,7 +2,7 @@
 separate processes taking turns (order reversed every round), medians of the rounds: old vs new code
 in the same run.
 
-    git worktree add /tmp/old HEAD~1
+    git worktree add /tmp/old f5001d6       # the code before the loader
     .venv/bin/python bench/zygote_preload_ab.py CPU_MODEL GPU_MODEL /tmp/old . [ROUNDS]
 
 Per checkout, with a fresh zygote: the CPU unit is deployed and started once (its weights preloaded);

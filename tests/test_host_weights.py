@@ -131,6 +131,7 @@ def test_a_gpu_units_weights_load_apart_while_the_zygote_forks(tiny_model_dir, t
 
                 # a loader that dies: the preload failed (starts read the checkpoint themselves)
                 zygote.forget(gpu)
+                wait_for(lambda: not zygote_children(zpid), what="the first loader reaped")
                 fcntl.flock(held, fcntl.LOCK_EX)
                 zygote.preload(gpu)
                 loader = wait_for(lambda: zygote_children(zpid), what="the loader forked")

@@ -175,6 +175,9 @@ def run_coldstart_bench(model_dir: str, *, repeats: int = 5, json_out: str | Non
     try:
         wait_until(lambda: any(e["event"] == "zygote_ready" for e in httpx.get(url + "/v1/status").json()["events"]),
               120, "the zygote")
+        # a GPU unit's weights are kept in host memory by a loader process: time starts from that copy
+        wait_until(lambda: (httpx.get(url + "/v1/units/cold").json().get("host_copy") or {}).get("state") != "loading",
+                   1800, "the unit's host copy")
         for i in range(repeats):
             wait_until(lambda: httpx.get(url + "/v1/units/cold").json()["instances"] == [], 60, "zero instances")
             cold.append(first_token_ms(url, "cold"))

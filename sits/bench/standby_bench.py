@@ -53,16 +53,19 @@ async def _start_once(zygote, cfg, tag: str) -> dict:
 async def _run(model_dir: str, device: str, dtype: str, threads: int | None, repeats: int,
                ready_timeout_s: float) -> dict:
     from sits.engine.config import EngineConfig
-    from sits.runtime.zygote import ZygoteClient
+    from sits.runtime.zygote import LOADER_DEADLINE_S, ZygoteClient
 
     cfg = EngineConfig(model=model_dir, device=device, dtype=dtype, kv_cache_memory_mb=64, threads=threads,
                        warmup=False, kv_touch="background")
     zygote = await ZygoteClient.start()
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     try:
-        zygote.preload(asdict(cfg))           # the zygote builds the model (a GPU unit's: in host memory)
-        zygote.standby(device, 0)
-        await _start_once(zygote, cfg, "first")    # untimed: the fork waits for the preload to finish
+        zygote.preload(asdict(cfg))           # the zygote builds the model (a GPU unit's: in host memory,
+        zygote.standby(device, 0)             # by a loader process), and both paths start from it
+        built = await zygote.wait_preloaded(asdict(cfg), LOADER_DEADLINE_S)
+        if not built or not built["ok"]:
+            raise RuntimeError(f"the zygote could not preload {model_dir} for {device} (its stderr says why)")
+        await _start_once(zygote, cfg, "first")    # untimed: the first start pays one-time costs
         for i in range(repeats):
             for mode in (MODES if i % 2 == 0 else MODES[::-1]):       # alternating, order reversed each round
                 zygote.standby(device, 1 if mode == "standby" else 0)

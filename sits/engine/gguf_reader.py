@@ -76,7 +76,7 @@ class GGUFFile:
         except (struct.error, OverflowError) as e:
             raise ValueError(f"truncated or corrupt GGUF header: {e}") from None
         align = self.metadata.get("general.alignment", 32)
-        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        if type(align) is not int or align <= 0 or align & (align - 1):
             raise ValueError(f"general.alignment {align!r} is not a power of two")
         start = off + (-off % align)
         data = np.frombuffer(buf, dtype=np.uint8)

@@ -391,7 +391,8 @@ class AdapterManager:
             return
         by_slot = {slots[name]: rows for name, rows in rows_of.items()}
         lo, hi = min(by_slot), max(by_slot) + 1
-        in_place = hi - lo <= self.SPAN_WASTE * len(by_slot)
+        # in place: the stacks between the step's slots read too (a group of padding each), if few
+        in_place = hi - lo <= self.SPAN_WASTE * len(by_slot) and (hi - lo) * n <= self.GATHER_WASTE * real
         order = list(range(lo, hi)) if in_place else sorted(by_slot)
         gather, valid, flat = [], [], []
         for g, slot in enumerate(order):

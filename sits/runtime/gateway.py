@@ -351,7 +351,8 @@ class Gateway:
         cfg = unit.spec.engine_config()
         if self.zygote is None or not self.zygote.alive or (unit.device_reserve_bytes and cfg.quantization):
             return None
-        return "weights:" + weights_key(asdict(cfg))
+        key = weights_key(asdict(cfg))
+        return None if key is None else "weights:" + key
 
     def host_copy(self, unit: UnitBackend) -> dict | None:
         """The weights the zygote keeps for ``unit``: ``{"state": "loading"}`` while they are built (a GPU

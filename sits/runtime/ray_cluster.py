@@ -100,7 +100,7 @@ class NodeAgent:
         if len(mine) < want:
             raise RuntimeError(f"node {self.node_id[:12]}: {want} GPU(s) reserved but only {len(mine)} free here")
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, mine))}
-        pending = -id(env)                  # held while the fork is under way (it may wait for a host copy)
+        pending = -id(env)                  # held across the await: another fork may pick GPUs meanwhile
         self.gpus_of[pending] = mine
         try:
             child = await self.zygote.fork(f"tcp://{self.ip}:0", cfg, token=token, env=env)

@@ -27,7 +27,8 @@ descriptor and the model pickled around it, and the zygote maps the same pages. 
 whose copy is still being built does not wait for it: its instance reads the checkpoint itself.
 
 Protocol (frames of ``sits.runtime.wire`` over a Unix socket, one client): ``("preload",
-engine_config_dict)`` → ``("preloaded", model, device, ok, ms)`` when built (or not);
+engine_config_dict)`` → ``("preloaded", weights_key, ok, ms)`` when built (or not; a config that
+does not build gets no reply);
 ``("fork", address, engine_config_dict, {"token": ..., "env": ..., "id": n})`` → ``("forked", pid,
 address, {"standby": bool, "id": n})`` or ``("fork_failed", message, {"id": n})``, replies matched by
 ``id``, not order (``address``: a socket path, or ``tcp://HOST:0`` for an instance reached from
@@ -77,6 +78,13 @@ def preload() -> float:
 
 
 _MODELS: dict[tuple, object] = {}     # PreloadedModel by PreloadedModel.key
+_BUILT: dict[tuple, int] = {}         # per key, which build of it _MODELS holds (a rebuild is a change)
+_BUILDS = itertools.count(1)
+
+
+def _keep(key: tuple, pre) -> None:
+    _MODELS[key] = pre
+    _BUILT[key] = next(_BUILDS)
 
 
 def _key(cfg_dict: dict) -> tuple | None:
@@ -97,8 +105,8 @@ def weights_key(cfg_dict: dict) -> str | None:
 
 
 def _models_now() -> dict:
-    """What is preloaded, by key and object: a model built again under the same key is a change."""
-    return {k: id(v) for k, v in _MODELS.items()}
+    """What is preloaded, by key and build: a model built again under the same key is a change."""
+    return {k: _BUILT.get(k) for k in _MODELS}
 
 
 def _loads_apart(cfg_dict: dict) -> bool:
@@ -128,7 +136,7 @@ def _preloaded(cfg_dict: dict):
             with torch.inference_mode():   # one-time operator set-up, inherited by every fork
                 for n in (1, 16):
                     pre.model.forward_dense(torch.zeros(1, n, dtype=torch.long))
-            _MODELS[key] = pre
+            _keep(key, pre)
             print(f"zygote: preloaded {cfg.model} for cpu in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         return _MODELS[key]
     except Exception as e:  # noqa: BLE001 - the child loads (and reports the error) itself
@@ -147,15 +155,19 @@ def die_with_parent() -> None:
 
 
 def _forget(cfg_dict: dict) -> None:
-    _MODELS.pop(_key(cfg_dict), None)
-    import gc
-    gc.collect()
+    gone = _MODELS.get(_key(cfg_dict))
+    if gone is not None:
+        _drop_models(lambda m: m is gone, collect=True)
 
 
-def _as_child(fds_to_close: list[socket.socket]) -> None:
-    """A forked child's set-up: the zygote's sockets closed, default signals, dies with its parent."""
+def _as_child(fds_to_close: list) -> None:
+    """A forked child's set-up: the zygote's sockets (and descriptors) closed, default signals, dies
+    with its parent."""
     for s in fds_to_close:
-        s.close()
+        if isinstance(s, int):
+            os.close(s)
+        else:
+            s.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -199,12 +211,25 @@ def _fork_with_pair(kind: int, keep_closed: list[socket.socket], body, what: str
 def _child(sock_path: str, cfg: dict, fds_to_close: list[socket.socket], preloaded=None,
            listener: socket.socket | None = None, token: str | None = None) -> None:
     _as_child(fds_to_close)
-    # other GPU units' host copies: unmapped here, so an undeployed unit's shared pages go with the
-    # zygote's copy (a CPU model's pages are the zygote's copy-on-write: dropping them frees nothing)
-    for key in [k for k, m in _MODELS.items() if m is not preloaded and m.host_region is not None]:
+
+    def serve() -> int:
+        # other GPU units' host copies: unmapped here, so an undeployed unit's shared pages go with the
+        # zygote's copy (a CPU model's pages are the zygote's copy-on-write: dropping them frees nothing)
+        _drop_models(lambda m: m is not preloaded and m.host_region is not None)
+        from sits.runtime.instance_worker import serve_instance
+        return serve_instance(cfg, sock_path, preloaded, listener, token)
+    _run_child(serve)
+
+
+def _drop_models(which, collect: bool = False) -> None:
+    """Forget the preloaded models ``which(model)`` picks (their tensors go with the last reference;
+    ``collect``: also what only a reference cycle keeps, a full collection a start should not pay)."""
+    gone = [k for k, m in _MODELS.items() if which(m)]
+    for key in gone:
         del _MODELS[key]
-    from sits.runtime.instance_worker import serve_instance
-    _run_child(lambda: serve_instance(cfg, sock_path, preloaded, listener, token))
+    if gone and collect:
+        import gc
+        gc.collect()
 
 
 def _inherited(cfg_dict: dict):
@@ -245,8 +270,7 @@ def _stand_by(device: str, assignment: socket.socket) -> int:
     if dev.type == "cuda":                  # unpinned before their memory can be unmapped
         from sits.engine.host_weights import unpin_all
         unpin_all(keep=[pre.host_region.tensor] if pre is not None and pre.host_region is not None else [])
-    for key in [k for k, m in _MODELS.items() if m is not pre]:     # other units' weights: not this instance's
-        del _MODELS[key]
+    _drop_models(lambda m: m is not pre)            # other units' weights: not this instance's
     from sits.runtime.instance_worker import serve_instance
     return serve_instance(cfg, sock_path, pre, listener, token, start_requested_at=requested_at)
 
@@ -256,7 +280,7 @@ class _Standby:
     pid: int
     device: str
     sock: socket.socket          # the zygote's end of the pair: "ready" comes up it, a start goes down
-    models: frozenset            # the preloaded models it inherited: (key, id) pairs
+    models: frozenset            # the preloaded models it inherited: (key, build) pairs
     ready: bool = False          # its device is set up: a start handed to it skips that
 
 
@@ -334,7 +358,7 @@ class _Standbys:
     def hand_over(self, device: str, sock_path: str, cfg: dict, token: str | None,
                   needs: tuple | None) -> tuple[int, str] | None:
         """Give a start to a ready standby of ``device`` that inherited ``needs`` (the preloaded model's
-        ``(key, id)``, if any): ``(pid, address)``, or None (none is ready: the start forks; one still
+        ``(key, build)``, if any): ``(pid, address)``, or None (none is ready: the start forks; one still
         setting its device up might take longer than that). No replacement is forked here: the caller
         replies first, then ``top_up()``."""
         ready = [s for s in self.live.values() if s.device == device and s.ready and (needs is None or needs in s.models)]
@@ -420,6 +444,7 @@ def _load_apart(cfg_dict: dict, sock: socket.socket) -> int:
     from sits.engine.llm_engine import PreloadedModel
     die_with_parent()                       # a zygote gone (killed while it loads) needs no copy
     os.nice(LOADER_NICE)                    # cores serving requests come first
+    _drop_models(lambda m: True)            # other units' copies: not held open while this one loads
     if os.environ.get(LOADER_GATE):         # a test holds the load open while it checks the zygote serves
         with open(os.environ[LOADER_GATE]) as gate:
             fcntl.flock(gate, fcntl.LOCK_SH)
@@ -456,21 +481,25 @@ class _Loaders:
     def __init__(self, keep_closed):
         self.keep_closed = keep_closed        # () -> the zygote's sockets, closed in every child
         self.loading: dict[tuple, _Loading] = {}
-        self.failed: set[tuple] = set()       # not tried again until the unit is preloaded again
         self.unreaped: set[int] = set()
 
     def sockets(self) -> list[socket.socket]:
         return [x.sock for x in self.loading.values()]
 
-    def start(self, key: tuple, cfg: dict) -> None:
+    def pending_fds(self) -> list[int]:
+        """Region descriptors received from loaders whose rest has not come yet."""
+        return [fd for x in self.loading.values() for fd in x.fds]
+
+    def start(self, key: tuple, cfg: dict) -> bool:
+        """A loader forked for ``key`` (False: it could not be)."""
         forked = _fork_with_pair(socket.SOCK_STREAM, self.keep_closed(), lambda pair: _load_apart(cfg, pair),
                                  f"a loader for {cfg.get('model')}")
         if forked is None:
-            self.failed.add(key)
-            return
+            return False
         forked[1].setblocking(False)          # read as it comes, never waited on
         self.loading[key] = _Loading(forked[0], forked[1], cfg)
         self.unreaped.add(forked[0])
+        return True
 
     def heard(self, sock: socket.socket):
         """A loader's socket is readable: what it sent is taken in (never waiting for more); once all of
@@ -520,8 +549,6 @@ class _Loaders:
             for fd in job.fds:          # any not taken by a region
                 os.close(fd)
             job.fds.clear()
-        if pre is None:
-            self.failed.add(key)
         return key, job, pre
 
     def cancel(self, key: tuple) -> None:
@@ -548,8 +575,9 @@ class _Zygote:
         self.loaders = _Loaders(self.own_sockets)
 
     def own_sockets(self) -> list[socket.socket]:
-        """Every socket of the zygote's, closed in each child it forks."""
-        return [self.conn, self.listener, *self.standbys.sockets(), *self.loaders.sockets()]
+        """Every socket (and received descriptor) of the zygote's, closed in each child it forks."""
+        return [self.conn, self.listener, *self.standbys.sockets(), *self.loaders.sockets(),
+                *self.loaders.pending_fds()]
 
     def report(self, msg: tuple) -> None:
         send_blocking(self.conn, msg)
@@ -576,8 +604,8 @@ class _Zygote:
             raise _Shutdown
 
     def preload(self, cfg: dict) -> None:
-        """Build a unit's model ahead of its starts: a CPU unit's here, a GPU unit's by a loader (one
-        that failed before is tried again). Reported as ``("preloaded", weights_key, ok, ms)`` when
+        """Build a unit's model ahead of its starts: a CPU unit's here, a GPU unit's by a loader.
+        Reported as ``("preloaded", weights_key, ok, ms)`` when
         done (a loader's: when it is)."""
         key = _key(cfg)
         if key is None:
@@ -591,18 +619,15 @@ class _Zygote:
             done(_preloaded(cfg) is not None, (time.perf_counter() - t0) * 1e3)
         elif key in _MODELS:
             done(True, 0.0)
-        elif key not in self.loaders.loading:
-            self.loaders.failed.discard(key)
-            self.loaders.start(key, cfg)
-            if key in self.loaders.failed:      # it could not fork
-                done(False, 0.0)
+        elif key not in self.loaders.loading and not self.loaders.start(key, cfg):
+            done(False, 0.0)
 
     def loaded(self, done) -> None:
         """A loader is done (or gone): its model kept for the starts to come."""
         key, job, pre = done
         seconds = time.perf_counter() - job.started
         if pre is not None:
-            _MODELS[key] = pre
+            _keep(key, pre)
             print(f"zygote: preloaded {job.cfg.get('model')} for {key[-1]} in {seconds:.1f} s "
                   f"({pre.host_region.nbytes / 2**20:.0f} MiB)", file=sys.stderr)
         else:
@@ -616,7 +641,7 @@ class _Zygote:
         opts = opts[0] if opts else {}
         token, child_env, rid = opts.get("token"), opts.get("env") or {}, opts.get("id")
         if not child_env:
-            needs = (_key(cfg), id(pre)) if pre is not None else None
+            needs = (_key(cfg), _BUILT.get(_key(cfg))) if pre is not None else None
             handed = self.standbys.hand_over(_device_key(cfg), sock_path, cfg, token, needs)
             if handed is not None:
                 self.children.add(handed[0])
