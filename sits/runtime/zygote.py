@@ -605,8 +605,7 @@ class _Zygote:
 
     def preload(self, cfg: dict) -> None:
         """Build a unit's model ahead of its starts: a CPU unit's here, a GPU unit's by a loader.
-        Reported as ``("preloaded", weights_key, ok, ms)`` when
-        done (a loader's: when it is)."""
+        Reported as ``("preloaded", weights_key, ok, ms)`` once built (a loader's: when it is in)."""
         key = _key(cfg)
         if key is None:
             return                      # a config that does not build: its instances report why
