@@ -101,7 +101,11 @@ def weights_key(cfg_dict: dict) -> str | None:
     does not change the weights share one): how the zygote reports a preload and the gateway
     groups units' weights."""
     key = _key(cfg_dict)
-    return None if key is None else "|".join(map(str, key))
+    return None if key is None else _key_text(key)
+
+
+def _key_text(key: tuple) -> str:
+    return "|".join(map(str, key))
 
 
 def _models_now() -> dict:
@@ -234,12 +238,7 @@ def _drop_models(which, collect: bool = False) -> None:
 
 def _inherited(cfg_dict: dict):
     """The PreloadedModel this process inherited for ``cfg_dict``, if any (never built here)."""
-    from sits.engine.config import EngineConfig
-    from sits.engine.llm_engine import PreloadedModel
-    try:
-        return _MODELS.get(PreloadedModel.key(EngineConfig(**cfg_dict)))
-    except Exception:  # noqa: BLE001 - the instance reports a config that does not build
-        return None
+    return _MODELS.get(_key(cfg_dict))
 
 
 def _stand_by(device: str, assignment: socket.socket) -> int:
@@ -611,7 +610,7 @@ class _Zygote:
             return                      # a config that does not build: its instances report why
 
         def done(ok: bool, ms: float) -> None:
-            self.report(("preloaded", "|".join(map(str, key)), ok, round(ms, 1)))
+            self.report(("preloaded", _key_text(key), ok, round(ms, 1)))
 
         if not _loads_apart(cfg):
             t0 = time.perf_counter()
@@ -631,7 +630,7 @@ class _Zygote:
                   f"({pre.host_region.nbytes / 2**20:.0f} MiB)", file=sys.stderr)
         else:
             print(f"zygote: no host copy of {job.cfg.get('model')}: its instances load their own", file=sys.stderr)
-        self.report(("preloaded", "|".join(map(str, key)), pre is not None, round(seconds * 1e3, 1)))
+        self.report(("preloaded", _key_text(key), pre is not None, round(seconds * 1e3, 1)))
 
     def fork(self, msg: tuple, pre) -> None:
         """Start an instance: handed to a ready standby of its device that holds what a fork would
@@ -640,7 +639,8 @@ class _Zygote:
         opts = opts[0] if opts else {}
         token, child_env, rid = opts.get("token"), opts.get("env") or {}, opts.get("id")
         if not child_env:
-            needs = (_key(cfg), _BUILT.get(_key(cfg))) if pre is not None else None
+            key = _key(cfg) if pre is not None else None
+            needs = (key, _BUILT.get(key)) if key is not None else None
             handed = self.standbys.hand_over(_device_key(cfg), sock_path, cfg, token, needs)
             if handed is not None:
                 self.children.add(handed[0])
