@@ -26,3 +26,58 @@ def test_decode_attention_equals_sdpa_with_gqa(dtype, heads, kv_heads):
     assert (got.float() - ref).abs().max().item() <= tol
     if dtype == torch.float32:          # fp32 keeps the reference call itself
         assert torch.equal(got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=heads != kv_heads))
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("ways", [2, 4])
+@pytest.mark.parametrize("shape", [(1, 96), (3, 96), (128, 96), (2, 5, 96), (129, 96)])
+def test_split_linear_equals_f_linear(threads, ways, shape, bias):
+    from sits.engine.layers.linear import Linear, split_linears
+
+    g = torch.Generator().manual_seed(1)
+    layer = Linear(96, 64, bias=bias)
+    layer.weight = torch.nn.Parameter(torch.randn(64, 96, generator=g), requires_grad=False)
+    if bias:
+        layer.bias = torch.nn.Parameter(torch.randn(64, generator=g), requires_grad=False)
+    assert split_linears(layer) == 1 and layer.split
+    threads(ways)
+    x = torch.randn(*shape, generator=g)
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.shape == (*shape[:-1], 64)
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-6, atol=1e-5)
+
+
+def test_split_linear_follows_a_new_weight_and_uneven_rows(threads):
+    from sits.engine.layers.linear import Linear, split_linears
+
+    g = torch.Generator().manual_seed(2)
+    layer = Linear(32, 6)
+    layer.weight = torch.nn.Parameter(torch.randn(6, 32, generator=g), requires_grad=False)
+    split_linears(layer)
+    x = torch.randn(1, 32, generator=g)
+    threads(2)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-6, atol=1e-5)
+    layer.weight = torch.nn.Parameter(torch.randn(6, 32, generator=g), requires_grad=False)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-6, atol=1e-5)  # not the old blocks
+    threads(4)                                                     # 6 rows do not split 4 ways
+    assert torch.equal(layer(x), F.linear(x, layer.weight))
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="one core: nothing to split over")
+def test_cpu_fp32_engine_splits_its_linears(tiny_model_dir):
+    from sits.engine.config import EngineConfig
+    from sits.engine.layers.linear import Linear
+    from sits.engine.llm_engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32", warmup=False,
+                                 kv_cache_memory_mb=8))
+    linears = [m for m in eng.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.split for m in linears)

@@ -23,7 +23,7 @@ from sits.engine.config import (EngineConfig, ModelConfig, activation_reserve_by
                                resolve_dtype)
 from sits.engine.host_memory import keep_step_buffers_in_heap
 from sits.engine.host_weights import SharedHostRegion, dumps_in_region, loads_in_region, move_to_shared_region
-from sits.engine.layers.linear import can_pack, pack_linears
+from sits.engine.layers.linear import can_pack, can_split, pack_linears, split_linears
 from sits.engine.quantization import quantize_model
 from sits.engine.detokenizer import IncrementalDetokenizer
 from sits.engine.device_init import init_device
@@ -57,7 +57,7 @@ def prepare_weights(model: torch.nn.Module, cfg: EngineConfig, dtype: torch.dtyp
     """The loaded weights as they will serve: q/k/v and gate/up merged where the weights are copied
     anyway (packed, quantized or on a GPU; mapped fp32 weights on a CPU stay views of the file),
     quantized when asked, then laid out for the device's kernels (bf16 linears pre-packed for oneDNN
-    on a CPU that computes bf16)."""
+    on a CPU that computes bf16; fp32 linears on a CPU split their few-row matmuls across threads)."""
     pack = cfg.pack_weights and can_pack(dtype, device)
     if pack or cfg.quantization is not None or device.type == "cuda":   # the weights are copied anyway
         model.fuse_projections()
@@ -65,6 +65,8 @@ def prepare_weights(model: torch.nn.Module, cfg: EngineConfig, dtype: torch.dtyp
         quantize_model(model, cfg.quantization, dtype)
     if pack:
         pack_linears(model)
+    elif can_split(dtype, device):
+        split_linears(model)
     return model
 
 

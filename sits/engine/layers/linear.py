@@ -6,9 +6,18 @@ oneDNN re-lays it out each time: a one-token decode step then reads each weight 
 memory bandwidth. Packing it once at load (``mkldnn._reorder_linear_weight``, what inductor's
 freezing does) gives bit-identical outputs at several times the speed for a few rows (figures in
 docs/benchmarks.md). fp32 weights stay on ``F.linear``: packing them changes the rounding.
+
+A matmul of a few rows (a decode step) is a matrix-vector product, and a BLAS may run it on one
+thread (MKL does on AMD CPUs) while the others idle and the weights stream at one core's bandwidth.
+``split_linears`` makes such matmuls one ``bmm`` over column blocks of the weight, one block per
+intra-op thread. Each block runs the BLAS's own kernel, so results are ``F.linear``'s, or a rounding
+apart where the BLAS picks another kernel for the narrower block (``F.linear``'s own rows already
+change in the last bit with the number of rows in the batch).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -27,11 +36,24 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
+        self.split = False      # few-row matmuls split across the intra-op threads (``split_linears``)
+        self._blocks: tuple[torch.Tensor, int, torch.Tensor] | None = None   # (weight, ways, its blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.split and x.numel() <= SPLIT_MAX_ROWS * self.in_features:
+            ways = torch.get_num_threads()
+            if ways > 1 and self.out_features % ways == 0:
+                return split_matmul(x, self.weight, self.bias, ways, self._blocks_for(ways))
         return F.linear(x, self.weight, self.bias)
+
+    def _blocks_for(self, ways: int) -> torch.Tensor:
+        """The weight as ``split_matmul``'s column blocks, kept (a view) while weight and ways stay."""
+        cached = self._blocks
+        if cached is None or cached[0] is not self.weight or cached[1] != ways:
+            cached = self._blocks = (self.weight, ways, weight_blocks(self.weight, ways))
+        return cached[2]
 
     def pack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
@@ -59,6 +81,47 @@ def pack_linears(model: nn.Module) -> int:
             module.pack()
             packed += 1
     return packed
+
+
+SPLIT_MAX_ROWS = 128    # above it a BLAS threads the matmul itself (the split measured level at 256)
+
+
+def weight_blocks(weight: torch.Tensor, ways: int) -> torch.Tensor:
+    """``weight`` [out, in] as ``ways`` blocks of its rows, transposed: [ways, in, out / ways] (a view)."""
+    return weight.view(ways, -1, weight.shape[1]).transpose(1, 2)
+
+
+def split_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ways: int,
+                 blocks: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` as one ``bmm`` over ``ways`` column blocks of ``weight`` (its
+    rows, which must divide evenly; ``blocks``: ``weight_blocks(weight, ways)`` if kept), which
+    torch runs in parallel over the blocks."""
+    if blocks is None:
+        blocks = weight_blocks(weight, ways)
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    rows = rows.expand(ways, -1, -1)
+    out = (torch.bmm(rows, blocks) if bias is None
+           else torch.baddbmm(bias.view(ways, 1, -1), rows, blocks))
+    if x.dim() == 2 and x.shape[0] == 1:
+        return out.view(1, weight.shape[0])
+    return out.transpose(0, 1).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def can_split(dtype: torch.dtype, device: torch.device) -> bool:
+    """Splitting pays where the BLAS runs a matrix-vector product on one thread: fp32 on a CPU with
+    more than one core for intra-op work."""
+    return device.type == "cpu" and dtype == torch.float32 and len(os.sched_getaffinity(0)) > 1
+
+
+def split_linears(model: nn.Module) -> int:
+    """Mark every plain ``Linear`` of ``model`` to split its few-row matmuls (``split_matmul``);
+    returns how many were marked."""
+    marked = 0
+    for m in model.modules():
+        if isinstance(m, Linear) and m.packed is None and m.weight is not None and m.weight.is_contiguous():
+            m.split = True
+            marked += 1
+    return marked
 
 
 def fuse_linears(parts: list[nn.Module]) -> Linear:
