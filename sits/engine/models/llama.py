@@ -159,6 +159,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:   # the same sums, one call
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -224,6 +226,8 @@ class Attention(nn.Module):
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
+        if not meta.prefills and meta.decode_index is not None:   # only decodes, in order: no scatter
+            return self.o_proj(self._decode(q, kv_cache, meta).reshape(q.shape[0], -1))
 
         out = torch.empty_like(q)
         bs = k_cache.shape[1]
@@ -238,8 +242,8 @@ class Attention(nn.Module):
                 # keys from the first one the chunk's first query can see (whole blocks), to its end
                 first_block = 0 if self.window is None else max(0, first_q - self.window + 1) // bs
                 table = span.block_table[first_block:]
-                ks = k_cache[table].view(-1, self.num_kv_heads, self.head_dim)[:span.context_len - first_block * bs]
-                vs = v_cache[table].view(-1, self.num_kv_heads, self.head_dim)[:span.context_len - first_block * bs]
+                kv = kv_cache.flatten(2).index_select(1, table).view(2, -1, self.num_kv_heads, self.head_dim)
+                ks, vs = kv[:, :span.context_len - first_block * bs]
                 q_pos = torch.arange(first_q, span.context_len, device=x.device)
                 mask = window_mask(q_pos, torch.arange(first_block * bs, span.context_len, device=x.device),
                                    self.window)
@@ -249,14 +253,18 @@ class Attention(nn.Module):
             out[span.start:span.end] = o[0].transpose(0, 1)
 
         if meta.decode_index is not None:
-            bt = meta.decode_block_tables
-            bd = bt.shape[0]
-            kd = k_cache[bt].view(bd, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [Bd, Hkv, L, D]
-            vd = v_cache[bt].view(bd, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            qd = q[meta.decode_index].unsqueeze(2)                                          # [Bd, H, 1, D]
-            mask = meta.decode_mask if self.window is None else meta.decode_window_mask
-            out[meta.decode_index] = decode_attention(qd, kd, vd, mask).squeeze(2)
+            out[meta.decode_index] = self._decode(q[meta.decode_index], kv_cache, meta)
         return self.o_proj(out.reshape(out.shape[0], -1))
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [Bd, H, D], the 1-token decodes' queries -> their attention outputs [Bd, H, D], over their
+        blocks gathered (K and V in one gather) into a padded batch."""
+        bt = meta.decode_block_tables
+        bd = bt.shape[0]
+        kv = (kv_cache.flatten(2).index_select(1, bt.view(-1))       # a row copy per block: several times
+              .view(2, bd, -1, self.num_kv_heads, self.head_dim).transpose(2, 3))  # faster than kv_cache[:, bt]
+        mask = meta.decode_mask if self.window is None else meta.decode_window_mask
+        return decode_attention(q.unsqueeze(2), kv[0], kv[1], mask).squeeze(2)
 
 
 class MLP(nn.Module):
