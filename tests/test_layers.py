@@ -81,3 +81,19 @@ def test_cpu_fp32_engine_splits_its_linears(tiny_model_dir):
                                  kv_cache_memory_mb=8))
     linears = [m for m in eng.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.split for m in linears)
+
+
+def test_projections_merge_only_where_the_weights_are_copied(tiny_model_dir):
+    """fp32 weights mapped from the file stay its views (merging would copy them); weights converted
+    at load are this process's own memory already, so their q/k/v and gate/up are merged."""
+    from sits.engine.config import EngineConfig
+    from sits.engine.llm_engine import LLMEngine
+
+    def engine(dtype):
+        return LLMEngine(EngineConfig(model=tiny_model_dir, device="cpu", dtype=dtype, warmup=False,
+                                      kv_cache_memory_mb=8))
+
+    mapped, converted = engine("float32"), engine("float16")
+    assert all(layer.self_attn.qkv_proj is None for layer in mapped.model.model.layers)
+    assert all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
+               for layer in converted.model.model.layers)     # (GGUF's dequantized weights too: test_gguf's parity)

@@ -55,11 +55,13 @@ class _Request:
 def prepare_weights(model: torch.nn.Module, cfg: EngineConfig, dtype: torch.dtype,
                     device: torch.device) -> torch.nn.Module:
     """The loaded weights as they will serve: q/k/v and gate/up merged where the weights are copied
-    anyway (packed, quantized or on a GPU; mapped fp32 weights on a CPU stay views of the file),
+    anyway (converted or dequantized at load, packed, quantized or on a GPU; weights mapped from the
+    file in their own dtype stay views of it),
     quantized when asked, then laid out for the device's kernels (bf16 linears pre-packed for oneDNN
     on a CPU that computes bf16; fp32 linears on a CPU split their few-row matmuls across threads)."""
     pack = cfg.pack_weights and can_pack(dtype, device)
-    if pack or cfg.quantization is not None or device.type == "cuda":   # the weights are copied anyway
+    if (pack or cfg.quantization is not None or device.type == "cuda"     # the weights are copied anyway
+            or getattr(model, "weights_copied", False)):
         model.fuse_projections()
     if cfg.quantization is not None:
         quantize_model(model, cfg.quantization, dtype)

@@ -175,6 +175,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
         raise ModelLoadError(f"{model_dir}: weights do not match {cfg.architecture}: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     upload = None
+    copied = gguf is not None     # dequantized: the weights are this process's own memory, not the file's
     if device.type != "cpu":      # buffers no larger than the largest weight needs
         largest = max((t.numel() for t in state.values()), default=1) * torch.empty((), dtype=dtype).element_size()
         upload = StagedUpload(device, chunk_bytes=min(64 << 20, max(largest, 16)))
@@ -184,6 +185,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
             t = upload.upload(t, want)
         elif t.dtype != want:
             t = t.to(want)
+            copied = True
         state[name] = t
     model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
@@ -193,6 +195,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
         p.requires_grad_(False)
     if upload is not None:
         upload.finish()
+    model.weights_copied = copied or upload is not None   # not views of the file (merging them costs no memory)
     return model.eval()
 
 
