@@ -1,8 +1,8 @@
 """Decode-step time of two checkouts of SITS on the same model, in separate processes taking turns
-(order reversed every round), medians of 3 rounds: old vs new code in the same run.
+(order reversed every round), medians of 3 rounds (or ROUNDS): old vs new code in the same run.
 
     git worktree add /tmp/old HEAD~1
-    .venv/bin/python bench/decode_code_ab.py MODEL_DIR DTYPE /tmp/old .
+    .venv/bin/python bench/decode_code_ab.py MODEL_DIR DTYPE /tmp/old . [ROUNDS]
 
 Per checkout: ms per decode step at 1, 8 and 32 streams with 16-token prompts, and 32 streams with
 256-token prompts (attention over a longer context).
@@ -45,4 +45,4 @@ def main(model: str, dtype: str, old: str, new: str, rounds: int = 3) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:5], *map(int, sys.argv[5:6]))
