@@ -63,12 +63,31 @@ def test_split_linear_follows_a_new_weight_and_uneven_rows(threads):
     layer.weight = torch.nn.Parameter(torch.randn(6, 32, generator=g), requires_grad=False)
     split_linears(layer)
     x = torch.randn(1, 32, generator=g)
+
+    def check():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-6, atol=1e-5)
+
     threads(2)
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-6, atol=1e-5)
+    check()
     layer.weight = torch.nn.Parameter(torch.randn(6, 32, generator=g), requires_grad=False)
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-6, atol=1e-5)  # not the old blocks
-    threads(4)                                                     # 6 rows do not split 4 ways
-    assert torch.equal(layer(x), F.linear(x, layer.weight))
+    check()                                        # not the old weight's kept blocks
+    layer.weight.data = torch.randn(6, 32, generator=g)
+    check()                                        # nor the old storage's
+    threads(4)                                     # 6 rows: 3 blocks, the most up to 4 that divide them
+    check()
+    assert layer._blocks[3] == 3
+
+
+def test_split_linear_leaves_a_training_weight_to_f_linear(threads):
+    from sits.engine.layers.linear import Linear, split_linears
+
+    g = torch.Generator().manual_seed(3)
+    layer = Linear(16, 8)
+    layer.weight = torch.nn.Parameter(torch.randn(8, 16, generator=g))
+    split_linears(layer)
+    threads(2)
+    layer(torch.randn(2, 16, generator=g)).sum().backward()
+    assert layer.weight.grad is not None and layer._blocks is None
 
 
 @pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="one core: nothing to split over")

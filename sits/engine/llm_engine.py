@@ -21,7 +21,7 @@ from sits.engine.cold_start import ColdStartReport, process_age_s
 from sits.engine.config import (EngineConfig, ModelConfig, activation_reserve_bytes, generation_defaults,
                                default_step_budget, kv_blocks_for_device, resolve_attention, resolve_device,
                                resolve_dtype)
-from sits.engine.host_memory import keep_step_buffers_in_heap
+from sits.engine.host_memory import keep_step_buffers_in_heap, release_free_heap
 from sits.engine.host_weights import SharedHostRegion, dumps_in_region, loads_in_region, move_to_shared_region
 from sits.engine.layers.linear import can_pack, can_split, pack_linears, split_linears
 from sits.engine.quantization import quantize_model
@@ -63,6 +63,7 @@ def prepare_weights(model: torch.nn.Module, cfg: EngineConfig, dtype: torch.dtyp
     if (pack or cfg.quantization is not None or device.type == "cuda"     # the weights are copied anyway
             or getattr(model, "weights_copied", False)):
         model.fuse_projections()
+        release_free_heap()          # the parts' memory, left as holes between the merged copies
     if cfg.quantization is not None:
         quantize_model(model, cfg.quantization, dtype)
     if pack:

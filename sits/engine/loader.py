@@ -3,8 +3,8 @@ buffers on GPU (``StagedUpload``).
 
 The safetensors format is an 8-byte little-endian header length, a JSON header (name -> dtype, shape,
 byte offsets) and one flat byte buffer. Parsing it ourselves lets every tensor be a view into one
-private mmap of the file: nothing is read until a page is touched, and on CPU the weights are never
-copied (the kernel's page cache *is* the model).
+private mmap of the file: nothing is read until a page is touched, and on CPU weights kept in their
+stored dtype are never copied (the kernel's page cache *is* the model).
 """
 
 from __future__ import annotations
@@ -157,6 +157,9 @@ class StagedUpload:
             torch.cuda.synchronize(self.device)
 
 
+_MERGED_PROJECTIONS = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "gate", "up"))
+
+
 def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                max_positions: int) -> LlamaForCausalLM:
     """Build the module (uninitialised parameters: untouched pages, no random init) and assign the
@@ -175,7 +178,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
         raise ModelLoadError(f"{model_dir}: weights do not match {cfg.architecture}: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     upload = None
-    copied = gguf is not None     # dequantized: the weights are this process's own memory, not the file's
+    converted: set[str] = set()   # names whose tensors are now this process's memory, not the file's
     if device.type != "cpu":      # buffers no larger than the largest weight needs
         largest = max((t.numel() for t in state.values()), default=1) * torch.empty((), dtype=dtype).element_size()
         upload = StagedUpload(device, chunk_bytes=min(64 << 20, max(largest, 16)))
@@ -185,7 +188,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
             t = upload.upload(t, want)
         elif t.dtype != want:
             t = t.to(want)
-            copied = True
+            converted.add(name)
         state[name] = t
     model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
@@ -195,7 +198,9 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
         p.requires_grad_(False)
     if upload is not None:
         upload.finish()
-    model.weights_copied = copied or upload is not None   # not views of the file (merging them costs no memory)
+    # whether the projections merged for serving are copies already (merging them then costs no memory)
+    model.weights_copied = gguf is not None or upload is not None or all(
+        name in converted for name in expected if name.endswith(_MERGED_PROJECTIONS))
     return model.eval()
 
 

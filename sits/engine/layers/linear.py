@@ -5,14 +5,16 @@ pre-packed once for oneDNN.
 oneDNN re-lays it out each time: a one-token decode step then reads each weight at a fraction of the
 memory bandwidth. Packing it once at load (``mkldnn._reorder_linear_weight``, what inductor's
 freezing does) gives bit-identical outputs at several times the speed for a few rows (figures in
-docs/benchmarks.md). fp32 weights stay on ``F.linear``: packing them changes the rounding.
+docs/benchmarks.md). fp32 weights are not packed: packing them changes the rounding.
 
 A matmul of a few rows (a decode step) is a matrix-vector product, and a BLAS may run it on one
 thread (MKL does on AMD CPUs) while the others idle and the weights stream at one core's bandwidth.
-``split_linears`` makes such matmuls one ``bmm`` over column blocks of the weight, one block per
-intra-op thread. Each block runs the BLAS's own kernel, so results are ``F.linear``'s, or a rounding
-apart where the BLAS picks another kernel for the narrower block (``F.linear``'s own rows already
-change in the last bit with the number of rows in the batch).
+``split_linears`` makes such matmuls one ``bmm`` over column blocks of the weight, a block per
+intra-op thread (as many as divide the weight's rows evenly). Measured on an AMD CPU only: an Intel
+CPU's MKL may thread the product itself, which the split should leave level. Each block runs the
+BLAS's own kernel, so results are ``F.linear``'s, or a rounding apart where the BLAS picks another
+kernel for the narrower block (``F.linear``'s own rows already change in the last bit with the
+number of rows in the batch). Serving only: a weight that trains takes ``F.linear``.
 """
 
 from __future__ import annotations
@@ -37,23 +39,29 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
         self.split = False      # few-row matmuls split across the intra-op threads (``split_linears``)
-        self._blocks: tuple[torch.Tensor, int, torch.Tensor] | None = None   # (weight, ways, its blocks)
+        self._blocks: tuple | None = None   # (weight, its data pointer, threads, ways, its blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if self.split and x.numel() <= SPLIT_MAX_ROWS * self.in_features:
-            ways = torch.get_num_threads()
-            if ways > 1 and self.out_features % ways == 0:
-                return split_matmul(x, self.weight, self.bias, ways, self._blocks_for(ways))
+        if (self.split and x.numel() <= SPLIT_MAX_ROWS * self.in_features and x.device.type == "cpu"
+                and not (self.weight.requires_grad and torch.is_grad_enabled())):   # serving only
+            threads = torch.get_num_threads()
+            if threads > 1:
+                ways, blocks = self._blocks_for(threads)
+                if ways > 1:
+                    return split_matmul(x, self.weight, self.bias, ways, blocks)
         return F.linear(x, self.weight, self.bias)
 
-    def _blocks_for(self, ways: int) -> torch.Tensor:
-        """The weight as ``split_matmul``'s column blocks, kept (a view) while weight and ways stay."""
-        cached = self._blocks
-        if cached is None or cached[0] is not self.weight or cached[1] != ways:
-            cached = self._blocks = (self.weight, ways, weight_blocks(self.weight, ways))
-        return cached[2]
+    def _blocks_for(self, threads: int) -> tuple[int, torch.Tensor | None]:
+        """How many column blocks to split into for ``threads`` (the most up to ``threads`` that divide
+        the rows evenly), and the weight as those blocks, kept (a view) while weight and threads stay."""
+        w, cached = self.weight, self._blocks
+        if cached is None or cached[0] is not w or cached[1] != w.data_ptr() or cached[2] != threads:
+            ways = next((k for k in range(threads, 1, -1) if self.out_features % k == 0), 1)
+            cached = self._blocks = (w, w.data_ptr(), threads, ways,
+                                     weight_blocks(w, ways) if ways > 1 else None)
+        return cached[3], cached[4]
 
     def pack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
