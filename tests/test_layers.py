@@ -75,7 +75,7 @@ def test_split_linear_follows_a_new_weight_and_uneven_rows(threads):
     check()                                        # nor the old storage's
     threads(4)                                     # 6 rows: 3 blocks, the most up to 4 that divide them
     check()
-    assert layer._blocks[3] == 3
+    assert layer._blocks[2] == 3
 
 
 def test_split_linear_leaves_a_training_weight_to_f_linear(threads):

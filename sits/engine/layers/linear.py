@@ -39,7 +39,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
         self.split = False      # few-row matmuls split across the intra-op threads (``split_linears``)
-        self._blocks: tuple | None = None   # (weight, its data pointer, threads, ways, its blocks)
+        self._blocks: tuple | None = None   # (the weight's data pointer, threads, ways, its blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -55,13 +55,13 @@ class Linear(nn.Module):
 
     def _blocks_for(self, threads: int) -> tuple[int, torch.Tensor | None]:
         """How many column blocks to split into for ``threads`` (the most up to ``threads`` that divide
-        the rows evenly), and the weight as those blocks, kept (a view) while weight and threads stay."""
+        the rows evenly), and the weight as those blocks, kept (a view, which keeps its storage and so
+        its address) while the weight's storage and the thread count stay."""
         w, cached = self.weight, self._blocks
-        if cached is None or cached[0] is not w or cached[1] != w.data_ptr() or cached[2] != threads:
+        if cached is None or cached[0] != w.data_ptr() or cached[1] != threads:
             ways = next((k for k in range(threads, 1, -1) if self.out_features % k == 0), 1)
-            cached = self._blocks = (w, w.data_ptr(), threads, ways,
-                                     weight_blocks(w, ways) if ways > 1 else None)
-        return cached[3], cached[4]
+            cached = self._blocks = (w.data_ptr(), threads, ways, weight_blocks(w, ways) if ways > 1 else None)
+        return cached[2], cached[3]
 
     def pack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
