@@ -53,15 +53,16 @@ def test_dense_logits_match_transformers(tmp_path, variant):
     assert (ref - got).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("attention", ["torch", "cpp"])   # decodes gathered, or read in place by the C++ kernel
 @pytest.mark.parametrize("variant", ["llama3-gqa-rope-scaling", "qwen2-qkv-bias"])
-def test_paged_engine_logits_match_transformers(tmp_path, variant, tiny_model_dir):
+def test_paged_engine_logits_match_transformers(tmp_path, variant, tiny_model_dir, attention):
     """The serving path (chunked prefill through block tables, then decodes) equals HF logits."""
     import shutil
     hf = _save_hf(tmp_path, variant)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{tiny_model_dir}/{f}", tmp_path / f)
     eng = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", warmup=False, num_kv_blocks=64,
-                                 block_size=4, max_num_batched_tokens=16))
+                                 block_size=4, max_num_batched_tokens=16, attention=attention))
     prompt = torch.randint(5, BASE["vocab_size"], (37,), generator=torch.Generator().manual_seed(2)).tolist()
     out = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0))[0]
     ids = prompt + out["token_ids"]
@@ -128,8 +129,9 @@ WINDOWED = {
 }
 
 
+@pytest.mark.parametrize("attention", ["torch", "cpp"])   # decodes gathered, or read in place by the C++ kernel
 @pytest.mark.parametrize("variant", sorted(WINDOWED))
-def test_sliding_window_attention_matches_transformers(tmp_path, variant, tiny_model_dir):
+def test_sliding_window_attention_matches_transformers(tmp_path, variant, tiny_model_dir, attention):
     """Sliding-window attention (Mistral; Qwen2's per-layer windows) past the window: the dense path's
     logits, and the serving path's greedy tokens and logprobs through chunked prefill (chunks of 16
     over a window of 8 with blocks of 4), decodes, and a prefix-cached second request."""
@@ -149,7 +151,7 @@ def test_sliding_window_attention_matches_transformers(tmp_path, variant, tiny_m
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{tiny_model_dir}/{f}", tmp_path / f)
     eng = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", warmup=False, num_kv_blocks=64,
-                                 block_size=4, max_num_batched_tokens=16))
+                                 block_size=4, max_num_batched_tokens=16, attention=attention))
     assert eng.max_model_len == BASE["max_position_embeddings"]     # not capped at the window
     prompt = torch.randint(5, BASE["vocab_size"], (37,), generator=torch.Generator().manual_seed(2)).tolist()
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=0)

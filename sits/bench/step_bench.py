@@ -5,8 +5,12 @@ decode steps are timed one by one (each step ends with the sampled ids on the ho
 the whole step). The engine runs once per path available on the device, in the same run:
 
 - ``reference``: the reference attention (``attention="torch"``), every launch from Python;
+- ``cpp`` (CPU): decodes read the paged cache in place through the C++ kernel (``attention="cpp"``);
 - ``paged``: the paged Triton kernels, eager;
 - ``paged+graphs``: the paged kernels with decode steps replayed from CUDA graphs.
+
+The paths take turns within each repeat (the order reversed every repeat), so a host's drift lands on
+all of them alike.
 
 The baseline is Hugging Face ``generate`` on the same weights and dtype: one sequence at batch 1,
 left-padded batched generation above. Tokens per second are ``n / step time`` for the engine and
@@ -31,6 +35,7 @@ DOC_BEGIN = "<!-- sits bench step: begin -->"
 DOC_END = "<!-- sits bench step: end -->"
 
 PATHS = {"reference": dict(attention="torch", decode_graphs=False),
+         "cpp": dict(attention="cpp", decode_graphs=False),
          "paged": dict(attention="triton", decode_graphs=False),
          "paged+graphs": dict(attention="triton", decode_graphs=True)}
 
@@ -38,11 +43,13 @@ PATHS = {"reference": dict(attention="torch", decode_graphs=False),
 def available_paths(device: str) -> list[str]:
     import torch
 
-    from sits.engine.layers import paged_attention
+    from sits.engine.layers import cpu_attention, paged_attention
 
     dev = torch.device(device)
     if dev.type == "cuda" and paged_attention.available(dev):
-        return list(PATHS)
+        return ["reference", "paged", "paged+graphs"]
+    if dev.type == "cpu" and cpu_attention.kernel() is not None:
+        return ["reference", "cpp"]
     return ["reference"]
 
 
@@ -94,8 +101,12 @@ def run_step_bench(model: str, device: str = "cpu", dtype: str = "bfloat16", bat
     rows: dict[str, dict] = {}
     for batch in batch_sizes:
         row: dict[str, float] = {}
+        by_path: dict[str, list[dict]] = {p: [] for p in paths}
+        for r in range(repeats):
+            for path in (paths if r % 2 == 0 else paths[::-1]):
+                by_path[path].append(_step_times(model, hw, path, batch, context, steps, seed=r))
         for path in paths:
-            runs = [_step_times(model, hw, path, batch, context, steps, seed=r) for r in range(repeats)]
+            runs = by_path[path]
             row[f"{path}_step_ms"] = statistics.median(r["step_ms"] for r in runs)
             row[f"{path}_tok_s"] = statistics.median(r["tok_s"] for r in runs)
             if path == "paged+graphs":      # what capturing the decode graphs adds to a start
@@ -121,8 +132,9 @@ def run_step_bench(model: str, device: str = "cpu", dtype: str = "bfloat16", bat
             _log(f"step: batch {batch}: HF generate {tok_s:.0f} tok/s")
         del model_hf
     for row in rows.values():
-        if "paged+graphs_step_ms" in row:
-            row["speedup_vs_reference"] = row["reference_step_ms"] / row["paged+graphs_step_ms"]
+        best = "paged+graphs" if "paged+graphs_step_ms" in row else "cpp" if "cpp_step_ms" in row else None
+        if best:
+            row["speedup_vs_reference"] = row["reference_step_ms"] / row[f"{best}_step_ms"]
     result = {"model": model, "hardware": hw.describe(), "context": context, "steps": steps, "repeats": repeats,
               "paths": paths, "batches": rows}
     result["summary"] = {b: {k: round(v, 3) for k, v in r.items()} for b, r in rows.items()}
@@ -132,18 +144,19 @@ def run_step_bench(model: str, device: str = "cpu", dtype: str = "bfloat16", bat
 def _markdown(result: dict, command: str, plot: str | None) -> str:
     paths = result["paths"]
     head = "| batch | " + " | ".join(f"{p} ms/step" for p in paths) + " | " + " | ".join(
-        f"{p} tok/s" for p in paths) + " | HF generate tok/s | best / HF |"
+        f"{p} tok/s" for p in paths) + " | HF generate tok/s | best / HF | fastest path vs reference |"
     lines = [DOC_BEGIN, "## Decode step (`sits bench step`)", "", f"Command: `{command}`  ",
              f"Host: {result['hardware']}; model: `{result['model']}`; {result['context']}-token context; median "
              f"over the last {result['steps'] - result['steps'] // 4} of {result['steps']} steps, median of "
              f"{result['repeats']} runs.", "", head,
-             "|" + "---|" * (len(paths) * 2 + 3)]
+             "|" + "---|" * (len(paths) * 2 + 4)]
     for batch, r in result["batches"].items():
         best = max(r[f"{p}_tok_s"] for p in paths)
         hf = r.get("hf_tok_s")
         lines.append(f"| {batch} | " + " | ".join(f"{r[f'{p}_step_ms']:.2f}" for p in paths) + " | "
                      + " | ".join(f"{r[f'{p}_tok_s']:.0f}" for p in paths)
-                     + (f" | {hf:.0f} | {best / hf:.2f}× |" if hf else " | – | – |"))
+                     + (f" | {hf:.0f} | {best / hf:.2f}×" if hf else " | – | –")
+                     + (f" | {r['speedup_vs_reference']:.2f}× |" if "speedup_vs_reference" in r else " | – |"))
     if plot:
         lines += ["", f"![decode step]({plot})"]
     return "\n".join(lines + ["", DOC_END])
@@ -166,7 +179,7 @@ def _cli(args: argparse.Namespace) -> int:
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    p = add_bench_command(subparsers, "step", "decode step time per attention path (reference, paged, +graphs) vs HF",
+    p = add_bench_command(subparsers, "step", "decode step time per attention path (reference, cpp, paged, +graphs) vs HF",
                           _cli, threads="CPU threads", repeats="runs per figure, median reported (default: 3)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (paged paths need CUDA and Triton)")
     p.add_argument("--dtype", default="bfloat16", help="weights and KV cache (float32, bfloat16, float16)")

@@ -184,15 +184,24 @@ def _auto_dtype(device: torch.device, stored: torch.dtype) -> torch.dtype:
 
 
 def resolve_attention(name: str, device: torch.device) -> str:
-    """``torch`` or ``triton`` for the engine's attention (``EngineConfig.attention``): ``auto`` takes the
-    paged Triton kernels on a CUDA device where Triton is installed, the reference path elsewhere."""
-    from sits.engine.layers import paged_attention
+    """``torch``, ``triton`` or ``cpp`` for the engine's attention (``EngineConfig.attention``): ``auto``
+    takes the paged Triton kernels on a CUDA device where Triton is installed, the C++ decode kernel on
+    a CPU where it is built (``layers.cpu_attention``; ``auto`` never compiles it, so a start never
+    waits for g++, while ``cpp`` builds it if needed), the reference path elsewhere."""
+    from sits.engine.layers import cpu_attention, paged_attention
 
     if name == "triton" and not paged_attention.available(device):
         raise UnsupportedModelError(f"attention 'triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1); "
                                     f"this is {device}", param="attention")
+    if name == "cpp" and (device.type != "cpu" or cpu_attention.kernel() is None):
+        why = (f"this is {device}" if device.type != "cpu"
+               else cpu_attention.kernel_error() or "turned off by SITS_CPU_KERNELS")
+        raise UnsupportedModelError(f"attention 'cpp' needs a CPU device and its compiled kernel ({why})",
+                                    param="attention")
     if name == "auto":
-        return "triton" if device.type == "cuda" and paged_attention.available(device) else "torch"
+        if device.type == "cuda" and paged_attention.available(device):
+            return "triton"
+        return "cpp" if device.type == "cpu" and cpu_attention.kernel(build=False) is not None else "torch"
     return name
 
 
@@ -242,7 +251,8 @@ class EngineConfig:
     enable_lora: bool = False            # adapters may be loaded at run time (implied by lora_adapters)
     max_loras: int = 4                   # adapters resident on the device, and in one step, at most
     max_lora_rank: int = 64
-    attention: str = "auto"              # "torch" (reference), "triton" (paged kernels), auto: triton on CUDA
+    attention: str = "auto"              # "torch" (reference), "triton" (paged kernels), "cpp" (CPU decode
+                                         # kernel); auto: triton on CUDA, cpp on a CPU where it builds
     decode_graphs: bool = True           # with triton attention: decode steps replayed from CUDA graphs
 
     @property
@@ -258,8 +268,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be 'int8' or None, got {self.quantization!r}")
         if self.policy not in ("pfsd", "fcfs"):
             raise ValueError(f"policy must be 'pfsd' or 'fcfs', got {self.policy!r}")
-        if self.attention not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention must be 'auto', 'torch' or 'triton', got {self.attention!r}")
+        if self.attention not in ("auto", "torch", "triton", "cpp"):
+            raise ValueError(f"attention must be 'auto', 'torch', 'triton' or 'cpp', got {self.attention!r}")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:

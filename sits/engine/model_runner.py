@@ -4,8 +4,10 @@ All new tokens of all scheduled sequences are flattened into one [T] batch, so e
 runs once per step. Attention takes one of two paths, chosen once when the engine starts
 (``EngineConfig.attention``):
 
-- ``torch``, the reference (and the CPU's): 1-token decodes are batched into one padded attention
-  call over a gathered copy of their blocks; prefill chunks attend one sequence each.
+- ``torch``, the reference: 1-token decodes are batched into one padded attention call over a
+  gathered copy of their blocks; prefill chunks attend one sequence each.
+- ``cpp`` (the CPU's where it builds): the same, except that the decodes go to the C++ kernel of
+  ``layers.cpu_attention``, which reads their blocks in place (no gathered copy, no padding mask).
 - ``triton``: the paged kernels of ``layers.paged_attention`` read the cache in place for the whole
   step; its metadata are tensors (cu_seqlens, sequence lengths, block tables, slots). Decode-only
   steps replay a CUDA graph of their batch-size bucket (``decode_graphs``).
@@ -85,12 +87,14 @@ class ModelRunner:
                 self._to([b for t in tables for b in t + [0] * (width - len(t))], torch.int32).view(len(tables), width),
                 max(num_new)))
         else:
-            meta = self._reference_metadata(self._to(slots), num_new, cu, lens, tables)
+            meta = self._reference_metadata(self._to(slots), num_new, cu, lens, tables, self.attention == "cpp")
         return self._to(input_ids), self._to(positions), meta, (sample_rows, sample_idx)
 
     def _reference_metadata(self, slots: torch.Tensor, num_new: list[int], cu: list[int], lens: list[int],
-                            tables: list[list[int]]) -> AttentionMetadata:
-        """The reference path's metadata: a span per prefill chunk, the 1-token decodes padded together."""
+                            tables: list[list[int]], in_place: bool) -> AttentionMetadata:
+        """The reference path's metadata: a span per prefill chunk, the 1-token decodes' block tables
+        padded together, with their padding masks (``in_place`` False) or their context lengths (for
+        the C++ kernel)."""
         decodes = [i for i, n in enumerate(num_new) if n == 1]
         prefills = [PrefillSpan(cu[i], cu[i + 1], lens[i], self._to(tables[i]))
                     for i, n in enumerate(num_new) if n != 1]
@@ -101,6 +105,9 @@ class ModelRunner:
         d_tables = self._to([b for i in decodes for b in tables[i] + [0] * (width - len(tables[i]))]).view(len(decodes),
                                                                                                          width)
         d_lens = self._to([lens[i] for i in decodes])
+        if in_place:
+            return AttentionMetadata(slots, prefills, self._to([cu[i] for i in decodes]), d_tables,
+                                     decode_context_lens=d_lens)
         k_pos = torch.arange(width * bs, device=self.device)[None, :]
         d_mask = (k_pos < d_lens[:, None])[:, None, None, :]
         d_window = None

@@ -17,7 +17,7 @@ from torch import nn
 
 from sits.engine.config import ModelConfig
 from sits.engine.errors import UnsupportedModelError
-from sits.engine.layers import paged_attention
+from sits.engine.layers import cpu_attention, paged_attention
 from sits.engine.layers.attention import decode_attention
 from sits.engine.layers.linear import Linear, fuse_linears
 
@@ -43,6 +43,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks] long (padded with block 0)
     decode_mask: torch.Tensor | None = None       # [Bd, 1, 1, max_blocks*block_size] bool (True: attend)
     decode_window_mask: torch.Tensor | None = None  # the same, limited to the model's sliding window
+    decode_context_lens: torch.Tensor | None = None  # [Bd] long, set instead of the masks: the C++ kernel
     paged: paged_attention.PagedMetadata | None = None  # set: attention runs in the paged kernels
 
 
@@ -257,9 +258,12 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(out.shape[0], -1))
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [Bd, H, D], the 1-token decodes' queries -> their attention outputs [Bd, H, D], over their
-        blocks gathered (K and V in one gather) into a padded batch."""
+        """q: [Bd, H, D], the 1-token decodes' queries -> their attention outputs [Bd, H, D]: by the C++
+        kernel reading their blocks in place, or over their blocks gathered (K and V in one gather)
+        into a padded batch."""
         bt = meta.decode_block_tables
+        if meta.decode_context_lens is not None:
+            return cpu_attention.paged_decode(q, kv_cache, bt, meta.decode_context_lens, self.scale, self.window)
         bd = bt.shape[0]
         kv = (kv_cache.flatten(2).index_select(1, bt.view(-1))       # a row copy per block: several times
               .view(2, bd, -1, self.num_kv_heads, self.head_dim).transpose(2, 3))  # faster than kv_cache[:, bt]
