@@ -1,7 +1,7 @@
 """ModelRunner: turns a ScheduledBatch into one fused forward pass over the paged KV cache.
 
 All new tokens of all scheduled sequences are flattened into one [T] batch, so every linear layer
-runs once per step. Attention takes one of two paths, chosen once when the engine starts
+runs once per step. Attention takes one of three paths, chosen once when the engine starts
 (``EngineConfig.attention``):
 
 - ``torch``, the reference: 1-token decodes are batched into one padded attention call over a
