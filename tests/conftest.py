@@ -34,6 +34,19 @@ def make_engine(tiny_model_dir):
     return make
 
 
+def require_cpu_kernel():
+    """The CPU decode-attention kernel (``make install`` builds it; compiled here if it was not). A
+    machine that cannot build it skips what needs it, unless ``SITS_REQUIRE_CPU_KERNEL=1`` (CI)."""
+    from sits.engine.layers import cpu_attention
+    module = cpu_attention.kernel()
+    if module is None:
+        why = f"the CPU decode-attention kernel is not available: {cpu_attention.kernel_error() or 'turned off'}"
+        if os.environ.get("SITS_REQUIRE_CPU_KERNEL") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    return module
+
+
 def dense_greedy(engine: LLMEngine, prompt_ids: list[int], n: int) -> list[int]:
     """Reference decode without any cache: re-run the whole sequence each token."""
     ids = list(prompt_ids)

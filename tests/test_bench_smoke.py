@@ -191,10 +191,14 @@ def test_step_bench_times_each_available_path_against_hf(tiny_model_dir, tmp_pat
     step_bench.run_step_bench(tiny_model_dir, dtype="float32", batch_sizes=(1, 4), context=16, steps=8, repeats=2,
                               json_out=str(out), docs_out=str(docs))
     data = json.loads(out.read_text())
-    assert data["paths"] == ["reference", "cpp"] and set(data["batches"]) == {"1", "4"}
+    from sits.engine.layers import cpu_attention
+    cpp = cpu_attention.kernel(build=False) is not None        # `make install` builds it
+    assert data["paths"] == (["reference", "cpp"] if cpp else ["reference"]) and set(data["batches"]) == {"1", "4"}
     for row in data["batches"].values():
         assert row["reference_step_ms"] > 0 and row["hf_tok_s"] > 0 and row["reference_vs_hf"] > 0
-        assert row["cpp_step_ms"] > 0 and row["speedup_vs_reference"] == row["reference_step_ms"] / row["cpp_step_ms"]
+        if cpp:
+            assert row["cpp_step_ms"] > 0
+            assert row["speedup_vs_reference"] == row["reference_step_ms"] / row["cpp_step_ms"]
     text = docs.read_text()
     assert step_bench.DOC_BEGIN in text and "| 4 |" in text
     assert (tmp_path / "img" / "step_bench.png").stat().st_size > 1000

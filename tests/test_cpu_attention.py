@@ -12,14 +12,12 @@ from sits.engine.layers import cpu_attention
 from sits.engine.layers.attention import decode_attention
 from sits.engine.llm_engine import LLMEngine
 from sits.engine.sampling_params import SamplingParams
-from conftest import dense_greedy
+from conftest import dense_greedy, require_cpu_kernel
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    module = cpu_attention.kernel()         # built by `make install`; compiled here if it was not
-    assert module is not None, f"the CPU kernel did not build: {cpu_attention.kernel_error()}"
-    return module
+    return require_cpu_kernel()
 
 
 def _reference(q, kv_cache, tables, lens, window):
@@ -59,8 +57,9 @@ def test_kernel_equals_the_gathered_reference(kernel, dtype, heads, kv_heads, ba
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_kernel_results_do_not_depend_on_the_thread_count(kernel, threads):
-    q, kv_cache, tables, lens = _case(5, 8, 2, torch.float32, seed=3)
+@pytest.mark.parametrize("batch", [1, 5])     # 1: a task per KV head once threads > 1; 5: per sequence
+def test_kernel_results_do_not_depend_on_the_thread_count(kernel, threads, batch):
+    q, kv_cache, tables, lens = _case(batch, 8, 2, torch.float32, seed=3)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -126,3 +125,31 @@ def test_attention_resolves_to_the_kernel_on_a_cpu_only_where_it_is_on(kernel, m
         resolve_attention("cpp", cpu)
     with pytest.raises(ValueError, match="'cpp'"):
         EngineConfig(model="x", attention="paged")
+
+
+def _load_in(cache: str, build: bool) -> str:
+    """``kernel(build)`` in a fresh process with the kernel cache at ``cache``: what it loaded, or why not."""
+    import os
+    import subprocess
+    import sys
+    code = ("from sits.engine.layers import cpu_attention as c\n"
+            f"m = c.kernel(build={build})\n"
+            "print('loaded' if m is not None else f'none: {c.kernel_error()}')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, SITS_KERNEL_CACHE=cache))
+    assert p.returncode == 0, p.stderr
+    return p.stdout.strip().splitlines()[-1]
+
+
+def test_a_broken_build_is_refused_and_a_whole_one_loads(kernel, tmp_path):
+    """A library that does not load (a truncated file) leaves the reference path, not a crash; the
+    published library loads from any cache directory."""
+    name = cpu_attention.build_name()
+    (tmp_path / "broken" / name).mkdir(parents=True)
+    (tmp_path / "broken" / name / f"{name}.so").write_bytes(b"\x7fELF truncated")
+    assert _load_in(str(tmp_path / "broken"), build=False).startswith("none: ImportError")
+    assert _load_in(str(tmp_path / "missing"), build=False) == "none: None"     # not built: no compile
+    (tmp_path / "whole" / name).mkdir(parents=True)
+    import shutil
+    shutil.copyfile(kernel.__file__, tmp_path / "whole" / name / f"{name}.so")
+    assert _load_in(str(tmp_path / "whole"), build=False) == "loaded"

@@ -11,6 +11,8 @@ from sits.engine.llm_engine import LLMEngine
 from sits.engine.loader import load_model
 from sits.engine.sampling_params import SamplingParams
 
+from conftest import require_cpu_kernel
+
 transformers = pytest.importorskip("transformers")
 
 BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
@@ -57,6 +59,8 @@ def test_dense_logits_match_transformers(tmp_path, variant):
 @pytest.mark.parametrize("variant", ["llama3-gqa-rope-scaling", "qwen2-qkv-bias"])
 def test_paged_engine_logits_match_transformers(tmp_path, variant, tiny_model_dir, attention):
     """The serving path (chunked prefill through block tables, then decodes) equals HF logits."""
+    if attention == "cpp":
+        require_cpu_kernel()
     import shutil
     hf = _save_hf(tmp_path, variant)
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -135,6 +139,8 @@ def test_sliding_window_attention_matches_transformers(tmp_path, variant, tiny_m
     """Sliding-window attention (Mistral; Qwen2's per-layer windows) past the window: the dense path's
     logits, and the serving path's greedy tokens and logprobs through chunked prefill (chunks of 16
     over a window of 8 with blocks of 4), decodes, and a prefix-cached second request."""
+    if attention == "cpp":
+        require_cpu_kernel()
     import shutil
     VARIANTS[variant] = WINDOWED[variant]
     try:

@@ -20,11 +20,13 @@ the reference path and says how to build); ``attention: cpp`` builds it if neede
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.machinery
 import importlib.util
 import logging
 import os
+import shutil
 import sys
 import sysconfig
 import threading
@@ -35,13 +37,14 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.cpp"
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")   # compile only: the link step gets -fopenmp
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp")  # compile only
 LDFLAGS = ("-fopenmp",)
 
 _lock = threading.Lock()
 _module = None
 _error: str | None = None
 _hinted = False
+_build_failed = False     # a failed build is not retried in this process
 
 
 def enabled() -> bool:
@@ -83,40 +86,62 @@ def _import(name: str, path: Path):
     return module
 
 
-def _compile(name: str, directory: Path):
+def _compile(name: str, directory: Path, so: Path):
+    """Build under a lock on the directory (one builder per machine; the others wait, then load its
+    result), in ``build/``, then publish the library at ``so`` by an atomic rename: a process that
+    finds ``so`` finds it whole."""
     from torch.utils import cpp_extension
 
-    directory.mkdir(parents=True, exist_ok=True)
-    # ninja from this environment (the ``ninja`` package) when the shell's PATH lacks it
-    bin_dir = os.path.dirname(sys.executable)
-    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    log.warning("compiling the CPU decode-attention kernel for this machine (once, about a minute) into %s",
-                directory)
-    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
-                              extra_ldflags=list(LDFLAGS), build_directory=str(directory), verbose=False)
+    build_dir = directory / "build"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(directory / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if so.exists():
+            return _import(name, so)
+        # torch's own lock file, left behind by a build that was killed, would make its build wait forever
+        (build_dir / "lock").unlink(missing_ok=True)
+        # ninja from this environment (the ``ninja`` package) when the shell's PATH lacks it
+        bin_dir = os.path.dirname(sys.executable)
+        if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+        log.warning("compiling the CPU decode-attention kernel for this machine (once, about a minute) into %s",
+                    directory)
+        module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                                    extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), verbose=False)
+        tmp = so.with_name(f"{so.name}.{os.getpid()}.tmp")
+        shutil.copyfile(build_dir / f"{name}.so", tmp)
+        os.replace(tmp, so)
+        return module
 
 
 def kernel(build: bool = True):
     """The compiled module, or None (turned off, not built and ``build`` False, or the build failed:
-    ``kernel_error()``). Loading a build is a ``dlopen``; building one takes about a minute."""
-    global _module, _error, _hinted
+    ``kernel_error()``). Loading a build is a ``dlopen``; building one takes about a minute. A build
+    that does not load is rebuilt when ``build`` is True."""
+    global _module, _error, _hinted, _build_failed
     if not enabled():
         return None
     if _module is not None:
         return _module
     with _lock:
-        if _module is not None or (_error is not None and build):
+        if _module is not None or (_build_failed and build):
             return _module
         name = build_name()
         directory = cache_dir() / name
         so = directory / f"{name}.so"
         try:
             if so.exists():
-                _module = _import(name, so)
-            elif build:
-                _module = _compile(name, directory)
-            elif not _hinted:
+                try:
+                    _module = _import(name, so)
+                except Exception:
+                    if not build:
+                        raise
+                    so.unlink(missing_ok=True)         # a broken library: built again below
+            if _module is None and build:
+                _build_failed = True                   # until it returns
+                _module = _compile(name, directory, so)
+                _build_failed = False
+            elif _module is None and not _hinted:
                 _hinted = True
                 log.info("the CPU decode-attention kernel is not built for this machine; decodes gather their "
                          "blocks (`python -m sits.engine.layers.cpu_attention` builds it)")

@@ -116,7 +116,8 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale, int64_t window) {
-  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode_attention runs on the CPU");
+  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu() && block_tables.device().is_cpu() &&
+              context_lens.device().is_cpu(), "paged_decode_attention runs on the CPU");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, heads, dim] with contiguous rows");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, num_blocks, block_size, kv_heads, dim]");
@@ -129,7 +130,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
   s.block_size = kv_cache.size(2), s.kv_heads = kv_cache.size(3);
   s.q_stride_b = q.stride(0), s.q_stride_h = q.stride(1);
   s.scale = static_cast<float>(scale), s.window = window;
-  TORCH_CHECK(kv_cache.size(4) == s.dim && s.heads % s.kv_heads == 0, "q's heads or dim disagree with the cache");
+  TORCH_CHECK(kv_cache.size(4) == s.dim && s.kv_heads > 0 && s.block_size > 0 && s.heads % s.kv_heads == 0,
+              "q's heads or dim disagree with the cache");
   TORCH_CHECK(block_tables.size(0) == s.batch && context_lens.size(0) == s.batch, "one table and length per query");
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
@@ -152,6 +154,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // the GIL is released while it runs, as torch's own operators do: the server's threads go on
   m.def("paged_decode_attention", &paged_decode_attention,
-        "one-token decode attention over the paged KV cache, read in place");
+        "one-token decode attention over the paged KV cache, read in place",
+        py::call_guard<py::gil_scoped_release>());
 }
