@@ -41,8 +41,8 @@ inline const float* as_float<float>(const float* src, float*, int64_t) { return 
 inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * n;
-    float m = -INFINITY;
-    for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+    float m = s[0];     // n >= 1 (checked); no infinity: -ffast-math assumes there are none
+    for (int64_t i = 1; i < n; ++i) m = std::max(m, s[i]);
     float sum = 0.f;
     for (int64_t i = 0; i < n; ++i) { s[i] = std::exp(s[i] - m); sum += s[i]; }
     const float inv = 1.f / sum;
@@ -130,6 +130,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
   s.block_size = kv_cache.size(2), s.kv_heads = kv_cache.size(3);
   s.q_stride_b = q.stride(0), s.q_stride_h = q.stride(1);
   s.scale = static_cast<float>(scale), s.window = window;
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   TORCH_CHECK(kv_cache.size(4) == s.dim && s.kv_heads > 0 && s.block_size > 0 && s.heads % s.kv_heads == 0,
               "q's heads or dim disagree with the cache");
   TORCH_CHECK(block_tables.size(0) == s.batch && context_lens.size(0) == s.batch, "one table and length per query");
