@@ -252,7 +252,7 @@ class EngineConfig:
     max_loras: int = 4                   # adapters resident on the device, and in one step, at most
     max_lora_rank: int = 64
     attention: str = "auto"              # "torch" (reference), "triton" (paged kernels), "cpp" (CPU decode
-                                         # kernel); auto: triton on CUDA, cpp on a CPU where it builds
+                                         # kernel); auto: triton on CUDA, cpp on a CPU where it is built
     decode_graphs: bool = True           # with triton attention: decode steps replayed from CUDA graphs
 
     @property
