@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from sits.engine.layers import cpu_attention
+from sits.engine.layers import cpu_attention, cpu_kernels
 from sits.engine.layers.attention import decode_attention
 
 SHAPES = [  # batch, heads, kv_heads, context, dtype, window
@@ -63,8 +63,8 @@ def case(batch, heads, kv_heads, context, dtype, window, rounds, dim=64, block_s
 
 
 def main(rounds: int = 7) -> None:
-    if cpu_attention.kernel() is None:
-        sys.exit(f"the kernel is not available: {cpu_attention.kernel_error()}")
+    if cpu_kernels.kernel() is None:
+        sys.exit(f"the kernel is not available: {cpu_kernels.kernel_error()}")
     print(f"{torch.get_num_threads()} threads\n")
     print("| sequences | heads (q/kv) | context | dtype | window | gather + SDPA µs | kernel µs | speed-up | max diff |")
     print("|---|---|---|---|---|---|---|---|---|")

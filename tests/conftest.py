@@ -37,14 +37,28 @@ def make_engine(tiny_model_dir):
 def require_cpu_kernel():
     """The CPU decode-attention kernel (``make install`` builds it; compiled here if it was not). A
     machine that cannot build it skips what needs it, unless ``SITS_REQUIRE_CPU_KERNEL=1`` (CI)."""
-    from sits.engine.layers import cpu_attention
-    module = cpu_attention.kernel()
+    from sits.engine.layers import cpu_kernels
+    module = cpu_kernels.kernel()
     if module is None:
-        why = f"the CPU decode-attention kernel is not available: {cpu_attention.kernel_error() or 'turned off'}"
+        why = f"the CPU kernels are not available: {cpu_kernels.kernel_error() or 'turned off'}"
         if os.environ.get("SITS_REQUIRE_CPU_KERNEL") == "1":
             pytest.fail(why)
         pytest.skip(why)
     return module
+
+
+def greedy_mixed(engine: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy outputs of requests arriving one a step while others decode (steps that mix prefill
+    chunks and decodes, and decode-only steps)."""
+    from sits.engine.sampling_params import SamplingParams
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    seqs = []
+    for p in prompts:
+        seqs.append(engine.add_request(p, params))
+        engine.step()
+    while engine.has_unfinished:
+        engine.step()
+    return [list(s.output_token_ids) for s in seqs]
 
 
 def dense_greedy(engine: LLMEngine, prompt_ids: list[int], n: int) -> list[int]:

@@ -184,20 +184,20 @@ def test_ray_bench_compares_a_remote_node_with_the_local_host(tiny_model_dir, tm
 
 
 def test_step_bench_times_each_available_path_against_hf(tiny_model_dir, tmp_path):
-    """On a CPU the reference path and the C++ decode kernel run, taking turns (the paged ones need
+    """On a CPU the reference path and the C++ kernels' paths run, taking turns (the paged ones need
     CUDA); the HF baseline runs beside them."""
     from sits.bench import step_bench
     out, docs = tmp_path / "step.json", tmp_path / "benchmarks.md"
     step_bench.run_step_bench(tiny_model_dir, dtype="float32", batch_sizes=(1, 4), context=16, steps=8, repeats=2,
                               json_out=str(out), docs_out=str(docs))
     data = json.loads(out.read_text())
-    from sits.engine.layers import cpu_attention
-    cpp = cpu_attention.kernel(build=False) is not None        # `make install` builds it
-    assert data["paths"] == (["reference", "cpp"] if cpp else ["reference"]) and set(data["batches"]) == {"1", "4"}
+    from sits.engine.layers import cpu_kernels
+    cpp = cpu_kernels.kernel(build=False) is not None        # `make install` builds it
+    assert data["paths"] == (["reference", "cpp_attention", "cpp"] if cpp else ["reference"]) and set(data["batches"]) == {"1", "4"}
     for row in data["batches"].values():
         assert row["reference_step_ms"] > 0 and row["hf_tok_s"] > 0 and row["reference_vs_hf"] > 0
         if cpp:
-            assert row["cpp_step_ms"] > 0
+            assert row["cpp_step_ms"] > 0 and row["cpp_attention_step_ms"] > 0
             assert row["speedup_vs_reference"] == row["reference_step_ms"] / row["cpp_step_ms"]
     text = docs.read_text()
     assert step_bench.DOC_BEGIN in text and "| 4 |" in text

@@ -8,11 +8,9 @@ import torch
 
 from sits.engine.config import EngineConfig, resolve_attention
 from sits.engine.errors import UnsupportedModelError
-from sits.engine.layers import cpu_attention
+from sits.engine.layers import cpu_attention, cpu_kernels
 from sits.engine.layers.attention import decode_attention
-from sits.engine.llm_engine import LLMEngine
-from sits.engine.sampling_params import SamplingParams
-from conftest import dense_greedy, require_cpu_kernel
+from conftest import dense_greedy, greedy_mixed, require_cpu_kernel
 
 
 @pytest.fixture(scope="module")
@@ -92,27 +90,14 @@ def test_kernel_refuses_what_it_would_read_out_of_bounds(kernel):
         cpu_attention.paged_decode(q.bfloat16(), kv_cache, tables, lens, 0.25, None)
 
 
-def _greedy_mixed(engine: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Greedy outputs of requests arriving while others decode (steps that mix prefill chunks and
-    decodes, and decode-only steps)."""
-    seqs = []
-    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    for p in prompts:
-        seqs.append(engine.add_request(p, params))
-        engine.step()
-    while engine.has_unfinished:
-        engine.step()
-    return [list(s.output_token_ids) for s in seqs]
-
-
 def test_engine_serves_through_the_kernel_as_the_reference_does(kernel, make_engine):
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(5, 200, (n,), generator=g).tolist() for n in (3, 29, 11, 50, 1)]
     cpp = make_engine(attention="cpp", block_size=4, max_num_batched_tokens=16)
     ref = make_engine(attention="torch", block_size=4, max_num_batched_tokens=16)
     assert (cpp.attention, ref.attention) == ("cpp", "torch")
-    got = _greedy_mixed(cpp, prompts, 24)
-    assert got == _greedy_mixed(ref, prompts, 24)
+    got = greedy_mixed(cpp, prompts, 24)
+    assert got == greedy_mixed(ref, prompts, 24)
     assert got[1] == dense_greedy(ref, prompts[1], 24)
 
 
@@ -132,7 +117,7 @@ def _load_in(cache: str, build: bool) -> str:
     import os
     import subprocess
     import sys
-    code = ("from sits.engine.layers import cpu_attention as c\n"
+    code = ("from sits.engine.layers import cpu_kernels as c\n"
             f"m = c.kernel(build={build})\n"
             "print('loaded' if m is not None else f'none: {c.kernel_error()}')")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -144,7 +129,7 @@ def _load_in(cache: str, build: bool) -> str:
 def test_a_broken_build_is_refused_and_a_whole_one_loads(kernel, tmp_path):
     """A library that does not load (a truncated file) leaves the reference path, not a crash; the
     published library loads from any cache directory."""
-    name = cpu_attention.build_name()
+    name = cpu_kernels.build_name()
     (tmp_path / "broken" / name).mkdir(parents=True)
     (tmp_path / "broken" / name / f"{name}.so").write_bytes(b"\x7fELF truncated")
     assert _load_in(str(tmp_path / "broken"), build=False).startswith("none: ImportError")

@@ -1,11 +1,14 @@
-"""``sits bench step``: what one decode step costs, per attention path, against transformers' ``generate``.
+"""``sits bench step``: what one decode step costs, per kernel path, against transformers' ``generate``.
 
 For each batch size, ``n`` sequences are prefilled with a ``context``-token prompt, then ``steps``
 decode steps are timed one by one (each step ends with the sampled ids on the host, so its time is
 the whole step). The engine runs once per path available on the device, in the same run:
 
-- ``reference``: the reference attention (``attention="torch"``), every launch from Python;
-- ``cpp`` (CPU): decodes read the paged cache in place through the C++ kernel (``attention="cpp"``);
+- ``reference``: torch's operators throughout (``attention``, ``linear`` and ``elementwise`` "torch");
+- ``cpp_attention`` (CPU): decodes read the paged cache in place through the C++ kernel
+  (``attention="cpp"``), the rest by torch;
+- ``cpp`` (CPU): every C++ kernel, the few-row matmuls and the norms and RoPE too (``linear`` and
+  ``elementwise`` "cpp"; what ``auto`` takes);
 - ``paged``: the paged Triton kernels, eager;
 - ``paged+graphs``: the paged kernels with decode steps replayed from CUDA graphs.
 
@@ -34,8 +37,9 @@ from sits.engine.sampling_params import SamplingParams
 DOC_BEGIN = "<!-- sits bench step: begin -->"
 DOC_END = "<!-- sits bench step: end -->"
 
-PATHS = {"reference": dict(attention="torch", decode_graphs=False),
-         "cpp": dict(attention="cpp", decode_graphs=False),
+PATHS = {"reference": dict(attention="torch", linear="torch", elementwise="torch", decode_graphs=False),
+         "cpp_attention": dict(attention="cpp", linear="torch", elementwise="torch", decode_graphs=False),
+         "cpp": dict(attention="cpp", linear="cpp", elementwise="cpp", decode_graphs=False),
          "paged": dict(attention="triton", decode_graphs=False),
          "paged+graphs": dict(attention="triton", decode_graphs=True)}
 
@@ -43,13 +47,13 @@ PATHS = {"reference": dict(attention="torch", decode_graphs=False),
 def available_paths(device: str) -> list[str]:
     import torch
 
-    from sits.engine.layers import cpu_attention, paged_attention
+    from sits.engine.layers import cpu_kernels, paged_attention
 
     dev = torch.device(device)
     if dev.type == "cuda" and paged_attention.available(dev):
         return ["reference", "paged", "paged+graphs"]
-    if dev.type == "cpu" and cpu_attention.kernel(build=False) is not None:   # what `make install` built
-        return ["reference", "cpp"]
+    if dev.type == "cpu" and cpu_kernels.kernel(build=False) is not None:   # what `make install` built
+        return ["reference", "cpp_attention", "cpp"]
     return ["reference"]
 
 
@@ -179,7 +183,7 @@ def _cli(args: argparse.Namespace) -> int:
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    p = add_bench_command(subparsers, "step", "decode step time per attention path (reference, cpp, paged, +graphs) vs HF",
+    p = add_bench_command(subparsers, "step", "decode step time per kernel path (reference, cpp, paged, +graphs) vs HF",
                           _cli, threads="CPU threads", repeats="runs per figure, median reported (default: 3)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (paged paths need CUDA and Triton)")
     p.add_argument("--dtype", default="bfloat16", help="weights and KV cache (float32, bfloat16, float16)")

@@ -186,22 +186,40 @@ def _auto_dtype(device: torch.device, stored: torch.dtype) -> torch.dtype:
 def resolve_attention(name: str, device: torch.device) -> str:
     """``torch``, ``triton`` or ``cpp`` for the engine's attention (``EngineConfig.attention``): ``auto``
     takes the paged Triton kernels on a CUDA device where Triton is installed, the C++ decode kernel on
-    a CPU where it is built (``layers.cpu_attention``; ``auto`` never compiles it, so a start never
+    a CPU where it is built (``layers.cpu_kernels``; ``auto`` never compiles it, so a start never
     waits for g++, while ``cpp`` builds it if needed), the reference path elsewhere."""
-    from sits.engine.layers import cpu_attention, paged_attention
+    from sits.engine.layers import cpu_kernels, paged_attention
 
     if name == "triton" and not paged_attention.available(device):
         raise UnsupportedModelError(f"attention 'triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1); "
                                     f"this is {device}", param="attention")
-    if name == "cpp" and (device.type != "cpu" or cpu_attention.kernel() is None):
+    if name == "cpp" and (device.type != "cpu" or cpu_kernels.kernel() is None):
         why = (f"this is {device}" if device.type != "cpu"
-               else cpu_attention.kernel_error() or "turned off by SITS_CPU_KERNELS")
+               else cpu_kernels.kernel_error() or "turned off by SITS_CPU_KERNELS")
         raise UnsupportedModelError(f"attention 'cpp' needs a CPU device and its compiled kernel ({why})",
                                     param="attention")
     if name == "auto":
         if device.type == "cuda" and paged_attention.available(device):
             return "triton"
-        return "cpp" if device.type == "cpu" and cpu_attention.kernel(build=False) is not None else "torch"
+        return "cpp" if device.type == "cpu" and cpu_kernels.kernel(build=False) is not None else "torch"
+    return name
+
+
+def resolve_cpu_kernel(knob: str, name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``torch`` or ``cpp`` for one of the engine's fp32 CPU kernel choices (``knob``: ``linear`` or
+    ``elementwise`` of ``EngineConfig``): ``auto`` takes the C++ kernels for fp32 weights on a CPU where
+    they are built (and never compiles them), ``cpp`` builds them if needed and refuses other devices
+    and dtypes."""
+    from sits.engine.layers import cpu_kernels
+
+    if name == "cpp" and (device.type != "cpu" or dtype != torch.float32 or cpu_kernels.kernel() is None):
+        why = (f"this is {device}" if device.type != "cpu" else f"the weights are {dtype}" if dtype != torch.float32
+               else cpu_kernels.kernel_error() or "turned off by SITS_CPU_KERNELS")
+        raise UnsupportedModelError(f"{knob} 'cpp' needs fp32 weights on a CPU and its compiled kernels ({why})",
+                                    param=knob)
+    if name == "auto":
+        usable = device.type == "cpu" and dtype == torch.float32
+        return "cpp" if usable and cpu_kernels.kernel(build=False) is not None else "torch"
     return name
 
 
@@ -251,6 +269,10 @@ class EngineConfig:
     enable_lora: bool = False            # adapters may be loaded at run time (implied by lora_adapters)
     max_loras: int = 4                   # adapters resident on the device, and in one step, at most
     max_lora_rank: int = 64
+    linear: str = "auto"                 # "torch", or "cpp" (fp32 few-row matmuls through the C++ CPU kernel);
+                                         # auto: cpp for fp32 on a CPU where it is built
+    elementwise: str = "auto"            # "torch", or "cpp" (fp32 norms with their residual adds, and RoPE with
+                                         # the K/V store, in one C++ call each); auto: as linear
     attention: str = "auto"              # "torch" (reference), "triton" (paged kernels), "cpp" (CPU decode
                                          # kernel); auto: triton on CUDA, cpp on a CPU where it is built
     decode_graphs: bool = True           # with triton attention: decode steps replayed from CUDA graphs
@@ -268,6 +290,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be 'int8' or None, got {self.quantization!r}")
         if self.policy not in ("pfsd", "fcfs"):
             raise ValueError(f"policy must be 'pfsd' or 'fcfs', got {self.policy!r}")
+        for knob in ("linear", "elementwise"):
+            if getattr(self, knob) not in ("auto", "torch", "cpp"):
+                raise ValueError(f"{knob} must be 'auto', 'torch' or 'cpp', got {getattr(self, knob)!r}")
         if self.attention not in ("auto", "torch", "triton", "cpp"):
             raise ValueError(f"attention must be 'auto', 'torch', 'triton' or 'cpp', got {self.attention!r}")
         if self.max_loras < 1 or self.max_lora_rank < 1:

@@ -74,8 +74,8 @@ def preload() -> float:
     import importlib
     for mod in PRELOAD:
         importlib.import_module(mod)
-    from sits.engine.layers import cpu_attention
-    cpu_attention.kernel(build=False)     # a built kernel loaded once here, inherited by every fork
+    from sits.engine.layers import cpu_kernels
+    cpu_kernels.kernel(build=False)     # built kernels loaded once here, inherited by every fork
     return (time.perf_counter() - t0) * 1e3
 
 

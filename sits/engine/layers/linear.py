@@ -15,6 +15,13 @@ CPU's MKL may thread the product itself, which the split should leave level. Eac
 BLAS's own kernel, so results are ``F.linear``'s, or a rounding apart where the BLAS picks another
 kernel for the narrower block (``F.linear``'s own rows already change in the last bit with the
 number of rows in the batch). Serving only: a weight that trains takes ``F.linear``.
+
+Faster still for up to ``FEW_ROWS_MAX`` rows: the C++ kernel of ``cpu_kernels``
+(``EngineConfig.linear``: ``cpp``; ``auto`` takes it for fp32 on a CPU where it is built) streams each
+weight row once across the threads for all the rows, where a BLAS's matrix-vector product re-reads
+the weight per row and the split ``bmm`` reads it in a transposed layout. Its sums run in another
+order than the BLAS's: outputs agree to rounding, not bit for bit. Only under ``torch.no_grad`` or
+inference mode (it has no backward).
 """
 
 from __future__ import annotations
@@ -39,11 +46,15 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
         self.split = False      # few-row matmuls split across the intra-op threads (``split_linears``)
+        self.kernels = None     # the C++ CPU kernels' module: few-row matmuls through it (``use_cpu_kernel``)
         self._blocks: tuple | None = None   # (the weight's data pointer, threads, ways, its blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if (self.kernels is not None and x.numel() <= FEW_ROWS_MAX * self.in_features and x.dtype == torch.float32
+                and not torch.is_grad_enabled()):
+            return self.kernels.few_rows_linear(x, self.weight, self.bias)
         if (self.split and x.numel() <= SPLIT_MAX_ROWS * self.in_features and x.device.type == "cpu"
                 and not (self.weight.requires_grad and torch.is_grad_enabled())):   # serving only
             threads = torch.get_num_threads()
@@ -92,6 +103,7 @@ def pack_linears(model: nn.Module) -> int:
 
 
 SPLIT_MAX_ROWS = 128    # above it a BLAS threads the matmul itself (the split measured level at 256)
+FEW_ROWS_MAX = 16       # up to it the C++ kernel beats the split ``bmm`` (measured: docs/benchmarks.md)
 
 
 def weight_blocks(weight: torch.Tensor, ways: int) -> torch.Tensor:
@@ -141,3 +153,17 @@ def fuse_linears(parts: list[nn.Module]) -> Linear:
     if parts[0].bias is not None:
         fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
     return fused
+
+
+def use_cpu_kernel(model: nn.Module, kernels) -> int:
+    """Route the few-row matmuls of every plain fp32 CPU ``Linear`` of ``model`` through ``kernels``
+    (the ``cpu_kernels`` module), or back to torch with None; returns how many it set."""
+    count = 0
+    for m in model.modules():
+        if isinstance(m, Linear):
+            w = m.weight
+            usable = (m.packed is None and w is not None and w.device.type == "cpu" and w.dtype == torch.float32
+                      and w.is_contiguous())
+            m.kernels = kernels if usable else None
+            count += usable and kernels is not None
+    return count

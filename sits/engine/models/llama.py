@@ -19,7 +19,7 @@ from sits.engine.config import ModelConfig
 from sits.engine.errors import UnsupportedModelError
 from sits.engine.layers import cpu_attention, paged_attention
 from sits.engine.layers.attention import decode_attention
-from sits.engine.layers.linear import Linear, fuse_linears
+from sits.engine.layers.linear import Linear, fuse_linears, use_cpu_kernel
 
 
 @dataclass(slots=True)
@@ -158,6 +158,17 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = None     # the C++ CPU kernels' module (``use_cpu_kernels``): one call for add + norm
+
+    def with_residual(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pre-norm decoder's ``h = residual + x; norm(h)``: returns ``(norm(h), h)`` (``h`` is ``x``
+        when there is no residual yet). Through the kernel, ``h`` is ``residual``, added into in place."""
+        if self.kernels is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
+            if residual is None:
+                return self.kernels.rms_norm(x, self.weight, self.eps), x
+            return self.kernels.rms_norm(x, self.weight, self.eps, residual), residual
+        h = x if residual is None else residual + x
+        return self(h), h
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:   # the same sums, one call
@@ -183,6 +194,7 @@ class Attention(nn.Module):
         self.gqa = self.num_heads != self.num_kv_heads
         self.scale = self.head_dim ** -0.5          # SDPA's default, which the reference path uses
         self.qkv_proj: Linear | None = None     # q|k|v in one matmul, once ``fuse()`` ran
+        self.kernels = None     # the C++ CPU kernels' module (``use_cpu_kernels``): RoPE and the K/V store in one call
         self.qkv_sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                           self.num_kv_heads * self.head_dim)
 
@@ -191,15 +203,18 @@ class Attention(nn.Module):
         self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _projections(self, x: torch.Tensor):
+        """q [..., H, D], k and v [..., H_kv, D], before RoPE."""
         shape = x.shape[:-1]
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.reshape(*shape, self.num_heads, self.head_dim)
-        k = k.reshape(*shape, self.num_kv_heads, self.head_dim)
-        v = v.reshape(*shape, self.num_kv_heads, self.head_dim)
+        return (q.reshape(*shape, self.num_heads, self.head_dim), k.reshape(*shape, self.num_kv_heads, self.head_dim),
+                v.reshape(*shape, self.num_kv_heads, self.head_dim))
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        q, k, v = self._projections(x)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -217,16 +232,19 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x: [T, hidden] flat new tokens; kv_cache: [2, num_blocks, block_size, H_kv, D]."""
-        q, k, v = self._qkv(x, cos, sin)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         if meta.paged is not None:
+            q, k, v = self._qkv(x, cos, sin)
             paged_attention.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             out = paged_attention.paged_attention(q, k_cache, v_cache, meta.paged, self.scale, self.window)
             return self.o_proj(out.reshape(out.shape[0], -1))
-        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        if self.kernels is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
+            q, k, v = self._projections(x)
+            self.kernels.rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)  # q, k in place
+        else:
+            q, k, v = self._qkv(x, cos, sin)
+            k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+            v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         if not meta.prefills and meta.decode_index is not None:   # only decodes, in order: no scatter
             return self.o_proj(self._decode(q, kv_cache, meta).reshape(q.shape[0], -1))
 
@@ -325,10 +343,22 @@ class LlamaForCausalLM(nn.Module):
         """Serving path. input_ids/positions: [T] flat -> final hidden states [T, hidden]."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary(positions, h.dtype)
+        residual = None        # the running hidden state; h is each block's output until it is added
         for layer, kv in zip(self.model.layers, kv_caches):
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv, meta)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.norm(h)
+            x, residual = layer.input_layernorm.with_residual(h, residual)
+            h = layer.self_attn(x, cos, sin, kv, meta)
+            x, residual = layer.post_attention_layernorm.with_residual(h, residual)
+            h = layer.mlp(x)
+        return self.model.norm.with_residual(h, residual)[0]
+
+    def use_cpu_kernels(self, linear=None, elementwise=None) -> None:
+        """Route the serving path's few-row matmuls (``linear``) and its norms with their residual adds
+        and RoPE with the K/V store (``elementwise``) through the C++ CPU kernels' module, or back to
+        torch with None (``EngineConfig.linear`` and ``elementwise``)."""
+        use_cpu_kernel(self, linear)
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention)):
+                m.kernels = elementwise
 
     def fuse_projections(self) -> None:
         """Merge each layer's q/k/v and gate/up projections (one matmul each instead of 3 and 2)."""

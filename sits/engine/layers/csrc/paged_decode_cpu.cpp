@@ -13,18 +13,9 @@
 #include <cmath>
 #include <vector>
 
-namespace {
+#include "vec.h"
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc[16] = {0};  // 16 independent sums: the compiler turns them into vector lanes
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
-  float s = 0.f;
-  for (int j = 0; j < 16; ++j) s += acc[j];
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
+namespace {
 
 inline void axpy(float* y, float a, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
@@ -152,11 +143,4 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
     decode<scalar_t>(q.data_ptr<scalar_t>(), cache, cache + half, tp, lp, out.data_ptr<scalar_t>(), s);
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // the GIL is released while it runs, as torch's own operators do: the server's threads go on
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "one-token decode attention over the paged KV cache, read in place",
-        py::call_guard<py::gil_scoped_release>());
 }
