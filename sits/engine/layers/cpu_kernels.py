@@ -1,11 +1,14 @@
 """The C++ CPU kernels (``csrc/*.cpp``), compiled once per machine into one extension module.
 
-Two kernels: decode attention that reads the paged KV cache in place (``cpu_attention``, any cache
-dtype), and fp32 matmuls of a few rows that stream each weight once across the threads
-(``few_rows_linear``). They are compiled with torch's C++ extension tooling (g++, ninja) for the CPU they run
+Each replaces torch's operators where they cost more than the arithmetic on a CPU: decode attention
+that reads the paged KV cache in place (``cpu_attention``, any cache dtype; ``EngineConfig.attention``);
+fp32 matmuls of a few rows that stream each weight row once across the threads (``few_rows_linear``;
+``EngineConfig.linear``); and a decoder layer's small fp32 operators, RMSNorm with its residual add and
+RoPE with the K/V store, one call each (``rms_norm``, ``rope_store_kv``; ``EngineConfig.elementwise``).
+They are compiled with torch's C++ extension tooling (g++, ninja) for the CPU they run
 on (``-march=native``) into a cache directory keyed by the sources, flags, torch's version, Python's
 ABI and the CPU's flags (``SITS_KERNEL_CACHE``, default ``~/.cache/sits/kernels``). ``make install``
-builds them (``python -m sits.engine.layers.cpu_kernels``, about a minute, once). An engine set to
+builds them (``python -m sits.engine.layers.cpu_kernels``, a minute or two, once). An engine set to
 ``auto`` uses a build it finds and never compiles one (a start must not wait for g++: it serves
 through the reference paths and says how to build); ``cpp`` builds it if needed.
 ``SITS_CPU_KERNELS=0`` turns them off; a machine that cannot compile them keeps the reference paths
@@ -103,7 +106,7 @@ def _compile(name: str, directory: Path, so: Path):
         bin_dir = os.path.dirname(sys.executable)
         if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-        log.warning("compiling the CPU kernels for this machine (once, about a minute) into %s",
+        log.warning("compiling the CPU kernels for this machine (once, a minute or two) into %s",
                     directory)
         module = cpp_extension.load(name=name, sources=[str(src) for src in SOURCES], extra_cflags=list(CFLAGS),
                                     extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), verbose=False)
@@ -115,7 +118,7 @@ def _compile(name: str, directory: Path, so: Path):
 
 def kernel(build: bool = True):
     """The compiled module, or None (turned off, not built and ``build`` False, or the build failed:
-    ``kernel_error()``). Loading a build is a ``dlopen``; building one takes about a minute. A build
+    ``kernel_error()``). Loading a build is a ``dlopen``; building one takes a minute or two. A build
     that does not load is rebuilt when ``build`` is True."""
     global _module, _error, _hinted, _build_failed
     if not enabled():
