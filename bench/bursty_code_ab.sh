@@ -5,7 +5,7 @@
 # JSON per run in /tmp/bursty_{old,new}_{1,2}.json; progress lines on stdout.
 set -e
 OLD=$1 NEW=$2 MODEL=$(realpath "$3") DTYPE=${4:-float32}
-PY=$(realpath "$NEW/.venv/bin/python")
+PY="$(cd "$NEW" && pwd)/.venv/bin/python"   # not realpath: the link must keep the venv
 cd /
 for r in 1 2; do
   for c in old new; do

@@ -35,7 +35,7 @@ def make_engine(tiny_model_dir):
 
 
 def require_cpu_kernel():
-    """The CPU decode-attention kernel (``make install`` builds it; compiled here if it was not). A
+    """The C++ CPU kernels' module (``make install`` builds it; compiled here if it was not). A
     machine that cannot build it skips what needs it, unless ``SITS_REQUIRE_CPU_KERNEL=1`` (CI)."""
     from sits.engine.layers import cpu_kernels
     module = cpu_kernels.kernel()

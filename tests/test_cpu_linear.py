@@ -77,7 +77,7 @@ def test_linear_routes_few_rows_through_the_kernel_when_serving(kernel):
     layer.weight = torch.nn.Parameter(torch.randn(48, 32, generator=g), requires_grad=False)
     layer.bias = torch.nn.Parameter(torch.randn(48, generator=g), requires_grad=False)
     split_linears(layer)
-    assert use_cpu_kernel(layer, kernel) == 1
+    assert use_cpu_kernel(layer, True) == 1
     few, many = torch.randn(FEW_ROWS_MAX, 32, generator=g), torch.randn(FEW_ROWS_MAX + 1, 32, generator=g)
     with torch.inference_mode():
         assert torch.equal(layer(few), kernel.few_rows_linear(few, layer.weight, layer.bias))
@@ -86,13 +86,13 @@ def test_linear_routes_few_rows_through_the_kernel_when_serving(kernel):
     x = few.clone().requires_grad_()
     layer(x).sum().backward()
     assert x.grad is not None and torch.equal(layer(few), F.linear(few, layer.weight, layer.bias))
-    assert use_cpu_kernel(layer, None) == 0 and layer.kernels is None
+    assert use_cpu_kernel(layer, False) == 0 and not layer.cpu_kernel
 
 
 def test_only_fp32_cpu_linears_take_the_kernel(kernel):
     layer = Linear(16, 8)
     layer.weight = torch.nn.Parameter(torch.randn(8, 16).bfloat16(), requires_grad=False)
-    assert use_cpu_kernel(layer, kernel) == 0 and layer.kernels is None
+    assert use_cpu_kernel(layer, True) == 0 and not layer.cpu_kernel
 
 
 def test_engine_serves_through_the_kernel_as_the_reference_does(kernel, make_engine):

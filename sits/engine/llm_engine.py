@@ -23,7 +23,6 @@ from sits.engine.config import (EngineConfig, ModelConfig, activation_reserve_by
                                resolve_cpu_kernel, resolve_dtype)
 from sits.engine.host_memory import keep_step_buffers_in_heap, release_free_heap
 from sits.engine.host_weights import SharedHostRegion, dumps_in_region, loads_in_region, move_to_shared_region
-from sits.engine.layers import cpu_kernels
 from sits.engine.layers.linear import can_pack, can_split, pack_linears, split_linears
 from sits.engine.quantization import quantize_model
 from sits.engine.detokenizer import IncrementalDetokenizer
@@ -191,9 +190,7 @@ class LLMEngine:
         self.attention = resolve_attention(cfg.attention, self.device)
         self.linear = resolve_cpu_kernel("linear", cfg.linear, self.device, self.dtype)
         self.elementwise = resolve_cpu_kernel("elementwise", cfg.elementwise, self.device, self.dtype)
-        kernels = cpu_kernels.loaded()
-        self.model.use_cpu_kernels(linear=kernels if self.linear == "cpp" else None,
-                                   elementwise=kernels if self.elementwise == "cpp" else None)
+        self.model.use_cpu_kernels(linear=self.linear == "cpp", elementwise=self.elementwise == "cpp")
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.adapters, self.attention,
                                   cfg.max_num_seqs, self.max_model_len, cfg.decode_graphs)
         self.scheduler = Scheduler(cfg, self.pool, self.max_model_len)

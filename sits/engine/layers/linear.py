@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sits.engine.layers import cpu_kernels
+
 
 class Linear(nn.Module):
     """``nn.Linear`` without the random init: weights always come from a checkpoint (or the model
@@ -46,15 +48,15 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
         self.split = False      # few-row matmuls split across the intra-op threads (``split_linears``)
-        self.kernels = None     # the C++ CPU kernels' module: few-row matmuls through it (``use_cpu_kernel``)
+        self.cpu_kernel = False  # few-row matmuls through the C++ CPU kernel (``use_cpu_kernel``)
         self._blocks: tuple | None = None   # (the weight's data pointer, threads, ways, its blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if (self.kernels is not None and x.numel() <= FEW_ROWS_MAX * self.in_features and x.dtype == torch.float32
+        if (self.cpu_kernel and x.numel() <= FEW_ROWS_MAX * self.in_features and x.dtype == torch.float32
                 and not torch.is_grad_enabled()):
-            return self.kernels.few_rows_linear(x, self.weight, self.bias)
+            return cpu_kernels.loaded().few_rows_linear(x, self.weight, self.bias)
         if (self.split and x.numel() <= SPLIT_MAX_ROWS * self.in_features and x.device.type == "cpu"
                 and not (self.weight.requires_grad and torch.is_grad_enabled())):   # serving only
             threads = torch.get_num_threads()
@@ -155,15 +157,15 @@ def fuse_linears(parts: list[nn.Module]) -> Linear:
     return fused
 
 
-def use_cpu_kernel(model: nn.Module, kernels) -> int:
-    """Route the few-row matmuls of every plain fp32 CPU ``Linear`` of ``model`` through ``kernels``
-    (the ``cpu_kernels`` module), or back to torch with None; returns how many it set."""
+def use_cpu_kernel(model: nn.Module, on: bool) -> int:
+    """Route the few-row matmuls of every plain fp32 CPU ``Linear`` of ``model`` through the C++
+    kernel (loaded: ``cpu_kernels.kernel()``), or back to torch; returns how many take the kernel."""
     count = 0
     for m in model.modules():
         if isinstance(m, Linear):
             w = m.weight
             usable = (m.packed is None and w is not None and w.device.type == "cpu" and w.dtype == torch.float32
                       and w.is_contiguous())
-            m.kernels = kernels if usable else None
-            count += usable and kernels is not None
+            m.cpu_kernel = on and usable
+            count += m.cpu_kernel
     return count

@@ -17,7 +17,7 @@ from torch import nn
 
 from sits.engine.config import ModelConfig
 from sits.engine.errors import UnsupportedModelError
-from sits.engine.layers import cpu_attention, paged_attention
+from sits.engine.layers import cpu_attention, cpu_kernels, paged_attention
 from sits.engine.layers.attention import decode_attention
 from sits.engine.layers.linear import Linear, fuse_linears, use_cpu_kernel
 
@@ -158,15 +158,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernels = None     # the C++ CPU kernels' module (``use_cpu_kernels``): one call for add + norm
+        self.cpu_kernel = False  # add + norm in one C++ call (``use_cpu_kernels``)
 
     def with_residual(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The pre-norm decoder's ``h = residual + x; norm(h)``: returns ``(norm(h), h)`` (``h`` is ``x``
         when there is no residual yet). Through the kernel, ``h`` is ``residual``, added into in place."""
-        if self.kernels is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
+        if (self.cpu_kernel and x.dtype == torch.float32 and self.weight.dtype == torch.float32
+                and not torch.is_grad_enabled()):
             if residual is None:
-                return self.kernels.rms_norm(x, self.weight, self.eps), x
-            return self.kernels.rms_norm(x, self.weight, self.eps, residual), residual
+                return cpu_kernels.loaded().rms_norm(x, self.weight, self.eps), x
+            return cpu_kernels.loaded().rms_norm(x, self.weight, self.eps, residual), residual
         h = x if residual is None else residual + x
         return self(h), h
 
@@ -194,7 +195,7 @@ class Attention(nn.Module):
         self.gqa = self.num_heads != self.num_kv_heads
         self.scale = self.head_dim ** -0.5          # SDPA's default, which the reference path uses
         self.qkv_proj: Linear | None = None     # q|k|v in one matmul, once ``fuse()`` ran
-        self.kernels = None     # the C++ CPU kernels' module (``use_cpu_kernels``): RoPE and the K/V store in one call
+        self.cpu_kernel = False  # RoPE and the K/V store in one C++ call (``use_cpu_kernels``)
         self.qkv_sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                           self.num_kv_heads * self.head_dim)
 
@@ -238,9 +239,10 @@ class Attention(nn.Module):
             paged_attention.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             out = paged_attention.paged_attention(q, k_cache, v_cache, meta.paged, self.scale, self.window)
             return self.o_proj(out.reshape(out.shape[0], -1))
-        if self.kernels is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
+        if (self.cpu_kernel and x.dtype == torch.float32 and kv_cache.dtype == torch.float32
+                and not torch.is_grad_enabled()):
             q, k, v = self._projections(x)
-            self.kernels.rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)  # q, k in place
+            cpu_kernels.loaded().rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)  # q, k in place
         else:
             q, k, v = self._qkv(x, cos, sin)
             k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
@@ -351,14 +353,15 @@ class LlamaForCausalLM(nn.Module):
             h = layer.mlp(x)
         return self.model.norm.with_residual(h, residual)[0]
 
-    def use_cpu_kernels(self, linear=None, elementwise=None) -> None:
+    def use_cpu_kernels(self, linear: bool, elementwise: bool) -> None:
         """Route the serving path's few-row matmuls (``linear``) and its norms with their residual adds
-        and RoPE with the K/V store (``elementwise``) through the C++ CPU kernels' module, or back to
-        torch with None (``EngineConfig.linear`` and ``elementwise``)."""
+        and RoPE with the K/V store (``elementwise``) through the C++ CPU kernels (loaded:
+        ``cpu_kernels.kernel()``), or back to torch (``EngineConfig.linear`` and ``elementwise``). The
+        choice is the model's: engines sharing one model object in a process share the last one made."""
         use_cpu_kernel(self, linear)
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention)):
-                m.kernels = elementwise
+                m.cpu_kernel = elementwise
 
     def fuse_projections(self) -> None:
         """Merge each layer's q/k/v and gate/up projections (one matmul each instead of 3 and 2)."""
