@@ -205,6 +205,17 @@ def test_step_bench_times_each_available_path_against_hf(tiny_model_dir, tmp_pat
     assert (tmp_path / "img" / "step_bench.png").stat().st_size > 1000
 
 
+def test_step_bench_runs_in_bf16_on_a_cpu(tiny_model_dir, tmp_path):
+    """The cpp path takes what the dtype allows: bf16 keeps torch's matmuls and norms (the device
+    check's CPU dry run times bf16)."""
+    from sits.bench import step_bench
+    out = tmp_path / "step.json"
+    step_bench.run_step_bench(tiny_model_dir, dtype="bfloat16", batch_sizes=(2,), context=8, steps=4, repeats=1,
+                              json_out=str(out), hf=False)
+    data = json.loads(out.read_text())
+    assert all(data["batches"]["2"][f"{p}_step_ms"] > 0 for p in data["paths"])
+
+
 def test_shaped_models_have_the_real_parameter_counts_and_load(tmp_path, monkeypatch, tiny_model_dir):
     """Llama-3.2-1B and Llama-3.1-8B shapes count their published parameters; a small shape built by
     the same code loads into the engine and generates."""

@@ -7,8 +7,8 @@ the whole step). The engine runs once per path available on the device, in the s
 - ``reference``: torch's operators throughout (``attention``, ``linear`` and ``elementwise`` "torch");
 - ``cpp_attention`` (CPU): decodes read the paged cache in place through the C++ kernel
   (``attention="cpp"``), the rest by torch;
-- ``cpp`` (CPU): every C++ kernel, the few-row matmuls and the norms and RoPE too (``linear`` and
-  ``elementwise`` "cpp"; what ``auto`` takes);
+- ``cpp`` (CPU): every C++ kernel the dtype allows, the few-row matmuls and the norms and RoPE too for
+  fp32 (``linear`` and ``elementwise`` "auto": what an engine takes by default);
 - ``paged``: the paged Triton kernels, eager;
 - ``paged+graphs``: the paged kernels with decode steps replayed from CUDA graphs.
 
@@ -39,7 +39,7 @@ DOC_END = "<!-- sits bench step: end -->"
 
 PATHS = {"reference": dict(attention="torch", linear="torch", elementwise="torch", decode_graphs=False),
          "cpp_attention": dict(attention="cpp", linear="torch", elementwise="torch", decode_graphs=False),
-         "cpp": dict(attention="cpp", linear="cpp", elementwise="cpp", decode_graphs=False),
+         "cpp": dict(attention="cpp", linear="auto", elementwise="auto", decode_graphs=False),
          "paged": dict(attention="triton", decode_graphs=False),
          "paged+graphs": dict(attention="triton", decode_graphs=True)}
 
