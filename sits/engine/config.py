@@ -223,6 +223,27 @@ def resolve_cpu_kernel(knob: str, name: str, device: torch.device, dtype: torch.
     return name
 
 
+def resolve_gguf_blocks(name: str, model: str, device: torch.device, dtype: torch.dtype,
+                        quantization: str | None) -> bool:
+    """Whether a GGUF model's Q4_0/Q4_1/Q8_0 weights serve as their blocks (``EngineConfig.gguf_weights``):
+    ``auto`` takes them for an fp32 engine on a CPU where the kernels are built (never compiling them)
+    and no load-time quantization is asked; ``blocks`` builds the kernels if needed and refuses what
+    cannot serve them; a model that is not a GGUF file has none."""
+    from sits.engine.gguf_model import gguf_file
+    from sits.engine.layers import cpu_kernels
+
+    if name == "dequantize" or gguf_file(model) is None:
+        return False
+    usable = device.type == "cpu" and dtype == torch.float32 and quantization is None
+    if name == "blocks" and (not usable or cpu_kernels.kernel() is None):
+        why = (f"this is {device}" if device.type != "cpu" else f"the compute dtype is {dtype}"
+               if dtype != torch.float32 else f"quantization {quantization!r} is asked" if quantization
+               else cpu_kernels.kernel_error() or "turned off by SITS_CPU_KERNELS")
+        raise UnsupportedModelError(f"gguf_weights 'blocks' needs fp32 on a CPU and the compiled CPU kernels ({why})",
+                                    param="gguf_weights")
+    return usable and cpu_kernels.kernel(build=False) is not None
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -276,6 +297,9 @@ class EngineConfig:
     attention: str = "auto"              # "torch" (reference), "triton" (paged kernels), "cpp" (CPU decode
                                          # kernel); auto: triton on CUDA, cpp on a CPU where it is built
     decode_graphs: bool = True           # with triton attention: decode steps replayed from CUDA graphs
+    gguf_weights: str = "auto"           # a GGUF's Q4_0/Q4_1/Q8_0 weights: "blocks" (kept as the file's blocks,
+                                         # multiplied in place by the C++ CPU kernels; fp32 on a CPU) or
+                                         # "dequantize" (to the compute dtype at load); auto: blocks where usable
 
     @property
     def lora_enabled(self) -> bool:
@@ -293,6 +317,8 @@ class EngineConfig:
         for knob in ("linear", "elementwise"):
             if getattr(self, knob) not in ("auto", "torch", "cpp"):
                 raise ValueError(f"{knob} must be 'auto', 'torch' or 'cpp', got {getattr(self, knob)!r}")
+        if self.gguf_weights not in ("auto", "blocks", "dequantize"):
+            raise ValueError(f"gguf_weights must be 'auto', 'blocks' or 'dequantize', got {self.gguf_weights!r}")
         if self.attention not in ("auto", "torch", "triton", "cpp"):
             raise ValueError(f"attention must be 'auto', 'torch', 'triton' or 'cpp', got {self.attention!r}")
         if self.max_loras < 1 or self.max_lora_rank < 1:

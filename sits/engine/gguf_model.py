@@ -12,6 +12,7 @@ and SentencePiece text that starts with a space or follows a special token.
 from __future__ import annotations
 
 import functools
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -130,18 +131,30 @@ class GGUFModel:
         return ModelConfig.from_dict(raw, source=str(self.path))
 
     # -- weights ---------------------------------------------------------------------------------
-    def state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """HF-named tensors, dequantized and cast to ``dtype``, Q/K rows back in HF's order."""
+    def state_dict(self, dtype: torch.dtype, keep_blocks: bool = False) -> dict[str, Any]:
+        """HF-named tensors, dequantized and cast to ``dtype``, Q/K rows back in HF's order. With
+        ``keep_blocks``, the 2-D weights of the types the CPU kernels multiply in place (Q4_0, Q4_1,
+        Q8_0) come as ``BlockWeight``s instead: the file's blocks (views of its map where no row is
+        moved), their rows un-permuted as whole rows of blocks."""
         from gguf.quants import dequantize
+
+        from sits.engine.layers.block_quant import BLOCK_TYPES, BlockWeight
 
         heads = int(self._a("attention.head_count"))
         kv_heads = int(self._a("attention.head_count_kv") or heads)
-        out: dict[str, torch.Tensor] = {}
+        out: dict[str, Any] = {}
         for t in self.tensors:
             name = _hf_name(t.name)
             if name is None:
                 continue
             shape = [int(d) for d in reversed(t.shape)]          # GGUF lists dimensions fastest first
+            if keep_blocks and t.tensor_type.name in BLOCK_TYPES and len(shape) == 2:
+                with warnings.catch_warnings():       # a read-only view: the weights are never written to
+                    warnings.simplefilter("ignore", UserWarning)
+                    blocks = torch.from_numpy(t.data.reshape(shape[0], -1))
+                w = _unpermute_rows(name, blocks, heads, kv_heads)
+                out[name] = BlockWeight(t.tensor_type.name, w.contiguous(), shape[1])
+                continue
             try:
                 values = dequantize(t.data, t.tensor_type)
             except NotImplementedError:
@@ -150,11 +163,7 @@ class GGUFModel:
                                             code="unsupported_quantization") from None
             values = np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
             w = torch.from_numpy(values if values.flags.writeable else values.copy())   # F32: a read-only map
-            if name.endswith("q_proj.weight"):
-                w = _unpermute(w, heads)
-            elif name.endswith("k_proj.weight"):
-                w = _unpermute(w, kv_heads)
-            out[name] = w.to(dtype)
+            out[name] = _unpermute_rows(name, w, heads, kv_heads).to(dtype)
         return out
 
     # -- tokenizer -------------------------------------------------------------------------------
@@ -267,6 +276,16 @@ def _hf_name(gguf_name: str) -> str | None:
     if len(parts) == 2 and parts[0] in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[parts[0]]}.{parts[1]}"
     return None        # e.g. rope_freqs: recomputed from the config
+
+
+def _unpermute_rows(name: str, w: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """``w`` with llama.cpp's Q/K row permutation undone if ``name`` is a query or key projection
+    (rows of values, or rows of blocks: the permutation moves whole rows)."""
+    if name.endswith("q_proj.weight"):
+        return _unpermute(w, heads)
+    if name.endswith("k_proj.weight"):
+        return _unpermute(w, kv_heads)
+    return w
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:

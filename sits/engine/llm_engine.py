@@ -20,7 +20,7 @@ from sits.engine.block_pool import BlockPool
 from sits.engine.cold_start import ColdStartReport, process_age_s
 from sits.engine.config import (EngineConfig, ModelConfig, activation_reserve_bytes, generation_defaults,
                                default_step_budget, kv_blocks_for_device, resolve_attention, resolve_device,
-                               resolve_cpu_kernel, resolve_dtype)
+                               resolve_cpu_kernel, resolve_dtype, resolve_gguf_blocks)
 from sits.engine.host_memory import keep_step_buffers_in_heap, release_free_heap
 from sits.engine.host_weights import SharedHostRegion, dumps_in_region, loads_in_region, move_to_shared_region
 from sits.engine.layers.linear import can_pack, can_split, pack_linears, split_linears
@@ -83,7 +83,7 @@ class PreloadedModel:
 
     model_dir: str
     dtype: str
-    layout: tuple[str | None, bool]    # (quantization, pack_weights): how the weights were prepared
+    layout: tuple[str | None, bool, str]  # (quantization, pack_weights, gguf_weights): how the weights were prepared
     max_model_len: int
     model_config: ModelConfig
     model: torch.nn.Module
@@ -100,19 +100,20 @@ class PreloadedModel:
         if target.type != "cpu" and cfg.quantization is not None:
             raise ValueError("quantized weights are prepared on their device")
         dtype = resolve_dtype(cfg.dtype, target, mc.torch_dtype)
-        model = prepare_weights(load_model(cfg.model, mc, cpu, dtype, max_len), cfg, dtype, target)
+        blocks = resolve_gguf_blocks(cfg.gguf_weights, str(cfg.model), target, dtype, cfg.quantization)
+        model = prepare_weights(load_model(cfg.model, mc, cpu, dtype, max_len, gguf_blocks=blocks), cfg, dtype, target)
         region = move_to_shared_region(model) if target.type != "cpu" else None
-        return cls(str(cfg.model), cfg.dtype, (cfg.quantization, cfg.pack_weights), max_len, mc, model,
-                   Tokenizer.from_dir(cfg.model), target.type, region)
+        return cls(str(cfg.model), cfg.dtype, (cfg.quantization, cfg.pack_weights, cfg.gguf_weights), max_len, mc,
+                   model, Tokenizer.from_dir(cfg.model), target.type, region)
 
     @staticmethod
     def key(cfg: EngineConfig) -> tuple:
-        return (os.path.realpath(str(cfg.model)), cfg.dtype, cfg.quantization, cfg.pack_weights, cfg.max_model_len,
-                resolve_device(cfg.device).type)
+        return (os.path.realpath(str(cfg.model)), cfg.dtype, cfg.quantization, cfg.pack_weights, cfg.gguf_weights,
+                cfg.max_model_len, resolve_device(cfg.device).type)
 
     def fits(self, cfg: EngineConfig, device: torch.device) -> bool:
         return (device.type == self.device_type and self.dtype == cfg.dtype
-                and self.layout == (cfg.quantization, cfg.pack_weights)
+                and self.layout == (cfg.quantization, cfg.pack_weights, cfg.gguf_weights)
                 and os.path.realpath(self.model_dir) == os.path.realpath(str(cfg.model))
                 and self.max_model_len == plan_limits(cfg, self.model_config).max_model_len)
 
@@ -163,11 +164,14 @@ class LLMEngine:
             self.dtype = resolve_dtype(cfg.dtype, self.device, self.model_config.torch_dtype)
             self.limits = plan_limits(cfg, self.model_config)
             self.max_model_len = self.limits.max_model_len
+            self.gguf_blocks = resolve_gguf_blocks(cfg.gguf_weights, str(cfg.model), self.device, self.dtype,
+                                                   cfg.quantization)
         self.inherited_weights = preloaded is not None
         # from the checkpoint ("weights"), or the inherited host copy ("weights_h2d" on a GPU: a copy only)
         with self.report.phase("weights_h2d" if preloaded and self.device.type != "cpu" else "weights"):
             self.model = preloaded.model_on(self.device, self.dtype) if preloaded else prepare_weights(
-                load_model(cfg.model, self.model_config, self.device, self.dtype, self.max_model_len),
+                load_model(cfg.model, self.model_config, self.device, self.dtype, self.max_model_len,
+                           gguf_blocks=self.gguf_blocks),
                 cfg, self.dtype, self.device)
         with self.report.phase("tokenizer"):
             self.tokenizer = preloaded.tokenizer if preloaded else Tokenizer.from_dir(cfg.model)

@@ -23,6 +23,7 @@ from sits.engine.config import ModelConfig
 from sits.engine.errors import ModelLoadError
 from sits.engine.gguf_model import open_gguf
 from sits.engine.host_weights import is_pinned_in_place
+from sits.engine.layers.block_quant import BlockEmbedding, BlockLinear, BlockWeight
 from sits.engine.models.llama import LlamaForCausalLM
 
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
@@ -161,12 +162,16 @@ _MERGED_PROJECTIONS = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "gate", 
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-               max_positions: int) -> LlamaForCausalLM:
+               max_positions: int, gguf_blocks: bool = False) -> LlamaForCausalLM:
     """Build the module (uninitialised parameters: untouched pages, no random init) and assign the
-    mapped weights to it. Not on the meta device: its dispatch imports torch's compiler (seconds)."""
+    mapped weights to it. Not on the meta device: its dispatch imports torch's compiler (seconds).
+    ``gguf_blocks``: a GGUF's Q4_0/Q4_1/Q8_0 weights stay blocks (``layers.block_quant``; fp32 CPU
+    only), their modules swapped for ``BlockLinear``/``BlockEmbedding``."""
     model = LlamaForCausalLM(cfg, max_positions=max_positions)
     gguf = open_gguf(model_dir)
-    state = gguf.state_dict(dtype) if gguf is not None else load_state_dict(model_dir)
+    if gguf_blocks and (gguf is None or device.type != "cpu" or dtype != torch.float32):
+        raise ValueError("GGUF blocks serve fp32 on a CPU, from a GGUF file")
+    state = gguf.state_dict(dtype, keep_blocks=gguf_blocks) if gguf is not None else load_state_dict(model_dir)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     elif "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
@@ -177,6 +182,9 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
     if missing or unexpected:
         raise ModelLoadError(f"{model_dir}: weights do not match {cfg.architecture}: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    blocks = {name: state.pop(name) for name in list(state) if isinstance(state[name], BlockWeight)}
+    swapped = _swap_block_modules(model, blocks, cfg.tie_word_embeddings)
+    expected -= swapped
     upload = None
     converted: set[str] = set()   # names whose tensors are now this process's memory, not the file's
     if device.type != "cpu":      # buffers no larger than the largest weight needs
@@ -191,7 +199,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
             converted.add(name)
         state[name] = t
     model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and "model.embed_tokens.weight" not in swapped:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary.to(device)
     for p in model.parameters():
@@ -202,6 +210,22 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
     model.weights_copied = gguf is not None or upload is not None or all(
         name in converted for name in expected if name.endswith(_MERGED_PROJECTIONS))
     return model.eval()
+
+
+def _swap_block_modules(model: LlamaForCausalLM, blocks: dict[str, BlockWeight], tied: bool) -> set[str]:
+    """Put a ``BlockLinear`` (``BlockEmbedding`` for the token embedding, and a ``BlockLinear`` over the
+    same blocks for a tied LM head) where each of ``blocks`` goes; returns the weights' names."""
+    for name, weight in blocks.items():
+        path = name.removesuffix(".weight")
+        parent_path, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        if path == "model.embed_tokens":
+            parent.embed_tokens = BlockEmbedding(weight)
+            if tied:
+                model.lm_head = BlockLinear(weight)
+        else:
+            setattr(parent, attr, BlockLinear(weight))
+    return set(blocks)
 
 
 def upload_module(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -231,4 +255,7 @@ def upload_module(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
 
 def count_parameters(model: nn.Module) -> int:
     packed = (getattr(m, "packed", None) for m in model.modules())     # oneDNN-laid-out linears
-    return sum(p.numel() for p in model.parameters()) + sum(p.numel() for p in packed if p is not None)
+    blocks = {m.blocks.data_ptr(): m.blocks.shape[0] * m.in_features for m in model.modules()
+              if isinstance(m, (BlockLinear, BlockEmbedding))}         # GGUF blocks (a tied head's once)
+    return (sum(p.numel() for p in model.parameters()) + sum(p.numel() for p in packed if p is not None)
+            + sum(blocks.values()))

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sits.engine.layers import cpu_kernels
+from sits.engine.layers.block_quant import fuse_block_linears
 
 
 class Linear(nn.Module):
@@ -146,9 +147,12 @@ def split_linears(model: nn.Module) -> int:
     return marked
 
 
-def fuse_linears(parts: list[nn.Module]) -> Linear:
+def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
     """One ``Linear`` whose output is the parts' outputs side by side (q|k|v, gate|up): one matmul
-    instead of several over the same input. The weights are copied (concatenated)."""
+    instead of several over the same input. The weights are copied (concatenated). GGUF blocks fuse
+    into one ``BlockLinear`` when all parts are blocks of one type; a mix of kinds does not fuse (None)."""
+    if any(not isinstance(p, Linear) for p in parts):
+        return fuse_block_linears(parts)
     weights = [p.weight.detach() for p in parts]
     fused = Linear(weights[0].shape[1], sum(w.shape[0] for w in weights), bias=parts[0].bias is not None)
     fused.weight = nn.Parameter(torch.cat(weights), requires_grad=False)

@@ -200,9 +200,12 @@ class Attention(nn.Module):
                           self.num_kv_heads * self.head_dim)
 
     def fuse(self) -> None:
-        """q, k and v projections merged into ``qkv_proj`` (the HF-named modules are dropped)."""
-        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-        del self.q_proj, self.k_proj, self.v_proj
+        """q, k and v projections merged into ``qkv_proj`` (the HF-named modules are dropped), unless
+        their weights are of kinds that do not merge (GGUF blocks of different types)."""
+        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        if fused is not None:
+            self.qkv_proj = fused
+            del self.q_proj, self.k_proj, self.v_proj
 
     def _projections(self, x: torch.Tensor):
         """q [..., H, D], k and v [..., H_kv, D], before RoPE."""
@@ -301,8 +304,10 @@ class MLP(nn.Module):
         self.gate_up_proj: Linear | None = None  # gate|up in one matmul, once ``fuse()`` ran
 
     def fuse(self) -> None:
-        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
-        del self.gate_proj, self.up_proj
+        fused = fuse_linears([self.gate_proj, self.up_proj])
+        if fused is not None:
+            self.gate_up_proj = fused
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:

@@ -1,0 +1,130 @@
+"""A GGUF's block-quantized weights (Q4_0, Q4_1, Q8_0) served as the file holds them, on a CPU.
+
+A decode step reads every weight once, so on a CPU its time is the weights' bytes over the memory
+bandwidth. Dequantized at load, a GGUF's Q4_1 projections become fp32, 32 bits a value where the file
+spends 5. Kept as blocks (32 values: an fp16 scale, for Q4_1 an fp16 minimum, then the quants), they
+are read as they are and expanded on the fly by the C++ kernels of ``cpu_kernels``:
+
+- up to ``KERNEL_MAX_ROWS`` activation rows (decode): ``block_linear`` expands each block in registers
+  and uses it for every row at once (per block ``d * sum(q x) + m * sum(x)``);
+- more rows (prefill): the weight is expanded ``DEQUANT_SLICE_VALUES`` values at a time to fp32 and
+  multiplied by torch's matmul, which at many rows is faster than any loop over blocks;
+- the token embedding expands only the rows it looks up (a tied LM head shares its blocks).
+
+Expanded values are exactly gguf's own dequantization's; sums run in another order than the BLAS's,
+so outputs agree with the dequantized model's to rounding, not bit for bit. fp32 only (the kernels'
+dtype), and only without autograd for the kernel path. ``EngineConfig.gguf_weights`` chooses (``auto``:
+blocks for an fp32 CPU engine where the kernels are built); other tensor types (K-quants, F16)
+are dequantized at load as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sits.engine.layers import cpu_kernels
+
+# the tensor types the kernels multiply in place: ggml's type id and the bytes of a 32-value block
+BLOCK_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
+BLOCK_VALUES = 32
+KERNEL_MAX_ROWS = 16                # above it, dequantized slices and torch's matmul (measured: docs/benchmarks.md)
+DEQUANT_SLICE_VALUES = 1 << 21      # a prefill expands the weight this many values at a time (8 MB of fp32)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockWeight:
+    """A weight [out, in] as GGUF blocks: row ``n`` of ``blocks`` holds output row ``n``'s ``in / 32``
+    blocks. ``blocks`` may be a read-only view of the file's memory map: never written to."""
+
+    qtype: str                      # a key of BLOCK_TYPES
+    blocks: torch.Tensor            # uint8 [out, in / 32 * block bytes]
+    in_features: int
+
+    def __post_init__(self):
+        if self.qtype not in BLOCK_TYPES:
+            raise ValueError(f"{self.qtype} blocks are not multiplied in place (only {', '.join(BLOCK_TYPES)})")
+        want = self.in_features // BLOCK_VALUES * BLOCK_TYPES[self.qtype][1]
+        if (self.in_features % BLOCK_VALUES or self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2
+                or self.blocks.shape[1] != want):
+            raise ValueError(f"{self.qtype} blocks of shape {tuple(self.blocks.shape)} do not hold rows of "
+                             f"{self.in_features} values")
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self.blocks, self.qtype, self.in_features)
+
+
+def dequantize(blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
+    """``blocks`` (rows of ``qtype`` blocks) as an fp32 [rows, in_features] tensor."""
+    return cpu_kernels.loaded().block_dequantize(blocks, BLOCK_TYPES[qtype][0], in_features)
+
+
+class BlockLinear(nn.Module):
+    """A linear layer over a ``BlockWeight`` (bias optional, fp32)."""
+
+    def __init__(self, weight: BlockWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.qtype = weight.qtype
+        self.type_id = BLOCK_TYPES[weight.qtype][0]
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.register_buffer("blocks", weight.blocks)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    @property
+    def weight_blocks(self) -> BlockWeight:
+        return BlockWeight(self.qtype, self.blocks, self.in_features)
+
+    @property
+    def num_weights(self) -> int:
+        return self.in_features * self.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows <= KERNEL_MAX_ROWS and x.dtype == torch.float32 and not torch.is_grad_enabled():
+            return cpu_kernels.loaded().block_linear(x, self.blocks, self.type_id, self.in_features, self.bias)
+        step = max(1, DEQUANT_SLICE_VALUES // self.in_features)
+        if step >= self.out_features:
+            return F.linear(x, self.dequantized(0, self.out_features).to(x.dtype), self.bias)
+        out = x.new_empty(*x.shape[:-1], self.out_features)
+        for first in range(0, self.out_features, step):
+            last = min(first + step, self.out_features)
+            bias = None if self.bias is None else self.bias[first:last]
+            out[..., first:last] = F.linear(x, self.dequantized(first, last).to(x.dtype), bias)
+        return out
+
+    def dequantized(self, first: int, last: int) -> torch.Tensor:
+        """Output rows ``[first, last)`` of the weight, as fp32."""
+        return dequantize(self.blocks[first:last], self.qtype, self.in_features)
+
+
+class BlockEmbedding(nn.Module):
+    """Token embeddings over a ``BlockWeight`` [vocab, hidden]: a lookup expands only its rows."""
+
+    def __init__(self, weight: BlockWeight):
+        super().__init__()
+        self.qtype = weight.qtype
+        self.in_features = weight.in_features
+        self.register_buffer("blocks", weight.blocks)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks.index_select(0, ids.reshape(-1))
+        return dequantize(rows, self.qtype, self.in_features).view(*ids.shape, self.in_features)
+
+
+def fuse_block_linears(parts: list[nn.Module]) -> BlockLinear | None:
+    """One ``BlockLinear`` whose outputs are the parts' side by side (their blocks' rows concatenated),
+    or None when the parts are not all blocks of one type (a K-quant mix may store v_proj apart)."""
+    if not all(isinstance(p, BlockLinear) for p in parts) or len({(p.qtype, p.in_features) for p in parts}) != 1:
+        return None
+    if len({p.bias is None for p in parts}) != 1:
+        return None
+    blocks = torch.cat([p.blocks for p in parts])
+    bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+    return BlockLinear(BlockWeight(parts[0].qtype, blocks, parts[0].in_features), bias)

@@ -1,0 +1,188 @@
+"""A GGUF's Q4_0/Q4_1/Q8_0 weights served as the file's blocks (``layers.block_quant``): the C++
+expansion equals gguf's own dequantization, the block matmul equals a matmul over the dequantized
+weight to rounding at every row count, and an engine serving a GGUF from its blocks
+(``gguf_weights``: blocks) picks the greedy tokens of the same engine over dequantized weights, in a
+fraction of the memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import gguf
+from gguf import GGMLQuantizationType as Q
+
+from sits.engine.config import EngineConfig, resolve_gguf_blocks
+from sits.engine.errors import UnsupportedModelError
+from sits.engine.layers import block_quant
+from sits.engine.layers.block_quant import BLOCK_TYPES, BlockEmbedding, BlockLinear, BlockWeight
+from sits.engine.llm_engine import LLMEngine
+from sits.engine.quantization import weight_bytes
+from conftest import dense_greedy, greedy_mixed, require_cpu_kernel
+
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return require_cpu_kernel()
+
+
+def _blocks(qtype: Q, rows: int, cols: int, seed: int) -> tuple[BlockWeight, torch.Tensor]:
+    """Random weights quantized by the gguf package, and gguf's dequantization of them."""
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
+    raw = gguf.quants.quantize(w, qtype)
+    want = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32).reshape(rows, cols))
+    return BlockWeight(qtype.name, torch.from_numpy(raw.copy()), cols), want
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal to rounding: the sums run in another order than the BLAS's."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item() + 1e-6)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_expanded_blocks_are_ggufs_own_dequantization_exactly(kernel, qtype):
+    bw, want = _blocks(qtype, 70, 96, seed=int(qtype))
+    assert torch.equal(bw.dequantize(), want)
+    assert torch.equal(BlockLinear(bw).dequantized(5, 40), want[5:40])
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 16, 17, 33])
+@pytest.mark.parametrize("out_f, in_f", [(1, 32), (67, 96), (300, 576)])
+def test_block_matmul_equals_a_matmul_over_the_dequantized_weight(kernel, qtype, rows, out_f, in_f):
+    """Every row count the kernel takes (in registers up to 16, through an expanded tile above)."""
+    bw, w = _blocks(qtype, out_f, in_f, seed=rows + out_f)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_f, generator=g)
+    bias = torch.randn(out_f, generator=g)
+    _close(kernel.block_linear(x, bw.blocks, BLOCK_TYPES[qtype.name][0], in_f), x @ w.T)
+    _close(kernel.block_linear(x, bw.blocks, BLOCK_TYPES[qtype.name][0], in_f, bias), F.linear(x, w, bias))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_the_layer_serves_decode_rows_from_blocks_and_prefill_from_dequantized_slices(kernel, qtype, monkeypatch):
+    bw, w = _blocks(qtype, 200, 64, seed=3)
+    layer = BlockLinear(bw)
+    g = torch.Generator().manual_seed(4)
+    with torch.inference_mode():
+        for shape in [(1, 64), (2, 3, 64), (block_quant.KERNEL_MAX_ROWS, 64), (40, 64)]:
+            x = torch.randn(*shape, generator=g)
+            _close(layer(x), F.linear(x, w))
+        monkeypatch.setattr(block_quant, "DEQUANT_SLICE_VALUES", 64 * 30)     # a prefill in 7 slices of rows
+        x = torch.randn(3, 20, 64, generator=g)
+        _close(layer(x), F.linear(x, w))
+    x = torch.randn(2, 64, requires_grad=True)          # autograd: through the dequantized weight
+    layer(x).sum().backward()
+    _close(x.grad, w.sum(0).expand(2, 64))
+
+
+def test_the_embedding_expands_only_the_rows_it_looks_up(kernel):
+    bw, w = _blocks(Q.Q8_0, 50, 64, seed=5)
+    ids = torch.tensor([[3, 49, 0], [3, 7, 7]])
+    assert torch.equal(BlockEmbedding(bw)(ids), F.embedding(ids, w))
+
+
+def test_projections_of_one_type_fuse_and_a_mix_does_not(kernel):
+    from sits.engine.layers.linear import Linear, fuse_linears
+
+    parts = [BlockLinear(_blocks(Q.Q4_1, n, 64, seed=n)[0]) for n in (32, 16, 16)]
+    fused = fuse_linears(parts)
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        _close(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+    other = BlockLinear(_blocks(Q.Q8_0, 16, 64, seed=9)[0])
+    assert fuse_linears([parts[0], other]) is None
+    assert fuse_linears([parts[0], Linear(64, 16)]) is None
+
+
+def test_malformed_blocks_are_refused(kernel):
+    bw, _ = _blocks(Q.Q4_1, 4, 64, seed=1)
+    with pytest.raises(ValueError):
+        BlockWeight("Q4_K", bw.blocks, 64)
+    with pytest.raises(ValueError):
+        BlockWeight("Q4_1", bw.blocks, 96)              # rows of 64 values, not 96
+    with pytest.raises(RuntimeError, match="bytes"):
+        kernel.block_linear(torch.randn(1, 96), bw.blocks, 3, 96)
+    with pytest.raises(RuntimeError, match="unknown block type"):
+        kernel.block_dequantize(bw.blocks, 12, 64)
+
+
+# -- an engine over a GGUF file ------------------------------------------------------------------
+TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256, rms_norm_eps=1e-5)     # 256: a row is one K-quant super-block
+
+
+def _mixed(name: str) -> Q:
+    """Q4_1 projections, Q8_0 values and embeddings, Q4_0 downs: one file with every block type."""
+    return Q.Q8_0 if name.startswith(("token_embd", "blk.1.attn_v")) else Q.Q4_0 if "ffn_down" in name else Q.Q4_1
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from gguf_writer_util import spm_vocab, write_llama_gguf
+
+    out = {}
+    for name, qtype, tied in (("mixed-tied", _mixed, True), ("q4_1", Q.Q4_1, False), ("q4_k", Q.Q4_K, True)):
+        torch.manual_seed(0)
+        hf = LlamaForCausalLM(LlamaConfig(vocab_size=len(spm_vocab()[0]), tie_word_embeddings=tied, **TINY)).eval()
+        path = tmp_path_factory.mktemp("gguf") / f"tiny-{name}.gguf"
+        write_llama_gguf(path, hf, qtype)
+        out[name] = str(path)
+    return out
+
+
+def _engine(path: str, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", warmup=False, num_kv_blocks=96,
+                                  block_size=4, max_num_batched_tokens=16, **kw))
+
+
+@pytest.mark.parametrize("name", ["mixed-tied", "q4_1"])
+def test_an_engine_serves_a_gguf_from_its_blocks_as_from_dequantized_weights(kernel, gguf_files, name):
+    blocks = _engine(gguf_files[name])                  # auto: blocks, on an fp32 CPU with the kernels
+    dense = _engine(gguf_files[name], gguf_weights="dequantize")
+    assert blocks.gguf_blocks and not dense.gguf_blocks
+    kinds = {type(m).__name__ for m in blocks.model.modules()}
+    assert {"BlockLinear", "BlockEmbedding"} <= kinds and "Linear" not in kinds
+    if name == "mixed-tied":        # layer 1's v is Q8_0 beside Q4_1 q and k: its q/k/v stay apart
+        attn = blocks.model.model.layers
+        assert attn[0].self_attn.qkv_proj is not None and attn[1].self_attn.qkv_proj is None
+        assert blocks.model.lm_head.blocks is blocks.model.model.embed_tokens.blocks
+    assert weight_bytes(blocks.model) < weight_bytes(dense.model) / 4
+    vocab = blocks.model_config.vocab_size
+    g = torch.Generator().manual_seed(7)
+    prompts = [[1] + torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 23, 40)]
+    got = greedy_mixed(blocks, prompts, 12)
+    assert got == greedy_mixed(dense, prompts, 12)
+    assert got[1] == dense_greedy(dense, prompts[1], 12)
+    with torch.inference_mode():
+        ids = torch.tensor([prompts[2]])
+        _close(blocks.model.forward_dense(ids), dense.model.forward_dense(ids))
+
+
+def test_other_tensor_types_are_dequantized_at_load(kernel, gguf_files):
+    eng = _engine(gguf_files["q4_k"])
+    assert eng.gguf_blocks and not any(isinstance(m, (BlockLinear, BlockEmbedding)) for m in eng.model.modules())
+    assert len(eng.generate([[1, 5, 9]], __import__("sits.engine.sampling_params", fromlist=["x"]).SamplingParams(
+        max_tokens=3, temperature=0.0, ignore_eos=True))[0]["token_ids"]) == 3
+
+
+def test_blocks_serve_only_fp32_on_a_cpu(kernel, gguf_files, tiny_model_dir):
+    cpu, path = torch.device("cpu"), gguf_files["q4_1"]
+    assert resolve_gguf_blocks("auto", path, cpu, torch.float32, None)
+    assert not resolve_gguf_blocks("auto", path, cpu, torch.bfloat16, None)
+    assert not resolve_gguf_blocks("auto", path, cpu, torch.float32, "int8")
+    assert not resolve_gguf_blocks("dequantize", path, cpu, torch.float32, None)
+    assert not resolve_gguf_blocks("blocks", str(tiny_model_dir), cpu, torch.float32, None)   # no GGUF: none
+    for dtype, device, quant in ((torch.bfloat16, cpu, None), (torch.float32, torch.device("cuda"), None),
+                                 (torch.float32, cpu, "int8")):
+        with pytest.raises(UnsupportedModelError) as e:
+            resolve_gguf_blocks("blocks", path, device, dtype, quant)
+        assert e.value.param == "gguf_weights"
+    with pytest.raises(ValueError):
+        EngineConfig(model=path, gguf_weights="packed")
