@@ -47,7 +47,11 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_expanded_blocks_are_ggufs_own_dequantization_exactly(kernel, qtype):
     bw, want = _blocks(qtype, 70, 96, seed=int(qtype))
     assert torch.equal(bw.dequantize(), want)
-    assert torch.equal(BlockLinear(bw).dequantized(5, 40), want[5:40])
+    buffer = torch.full((70 * 96 + 50,), float("nan"))              # a reused buffer, larger than needed
+    assert torch.equal(BlockLinear(bw).dequantized(5, 40, buffer), want[5:40])
+    assert torch.equal(buffer[:35 * 96].view(35, 96), want[5:40]) and buffer[35 * 96:].isnan().all()
+    with pytest.raises(RuntimeError, match="at least"):
+        kernel.block_dequantize(bw.blocks, BLOCK_TYPES[qtype.name][0], 96, torch.empty(100))
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -186,3 +190,12 @@ def test_blocks_serve_only_fp32_on_a_cpu(kernel, gguf_files, tiny_model_dir):
         assert e.value.param == "gguf_weights"
     with pytest.raises(ValueError):
         EngineConfig(model=path, gguf_weights="packed")
+
+
+def test_the_step_bench_times_blocks_beside_the_dequantized_paths_for_an_fp32_gguf(kernel, gguf_files,
+                                                                                    tiny_model_dir):
+    from sits.bench.step_bench import available_paths
+
+    assert available_paths("cpu", gguf_files["q4_1"], "float32") == ["reference", "cpp_attention", "cpp", "cpp_blocks"]
+    assert "cpp_blocks" not in available_paths("cpu", gguf_files["q4_1"], "bfloat16")
+    assert "cpp_blocks" not in available_paths("cpu", tiny_model_dir, "float32")

@@ -8,7 +8,10 @@ the whole step). The engine runs once per path available on the device, in the s
 - ``cpp_attention`` (CPU): decodes read the paged cache in place through the C++ kernel
   (``attention="cpp"``), the rest by torch;
 - ``cpp`` (CPU): every C++ kernel the dtype allows, the few-row matmuls and the norms and RoPE too for
-  fp32 (``linear`` and ``elementwise`` "auto": what an engine takes by default);
+  fp32 (``linear`` and ``elementwise`` "auto": what an engine takes by default for a safetensors model);
+- ``cpp_blocks`` (CPU, a GGUF file in fp32): ``cpp`` with the file's Q4_0/Q4_1/Q8_0 weights served as
+  their blocks (``gguf_weights="blocks"``: what an engine takes by default for such a file; the other
+  paths dequantize it at load);
 - ``paged``: the paged Triton kernels, eager;
 - ``paged+graphs``: the paged kernels with decode steps replayed from CUDA graphs.
 
@@ -37,23 +40,30 @@ from sits.engine.sampling_params import SamplingParams
 DOC_BEGIN = "<!-- sits bench step: begin -->"
 DOC_END = "<!-- sits bench step: end -->"
 
-PATHS = {"reference": dict(attention="torch", linear="torch", elementwise="torch", decode_graphs=False),
-         "cpp_attention": dict(attention="cpp", linear="torch", elementwise="torch", decode_graphs=False),
-         "cpp": dict(attention="cpp", linear="auto", elementwise="auto", decode_graphs=False),
+_DENSE = dict(gguf_weights="dequantize")
+PATHS = {"reference": dict(attention="torch", linear="torch", elementwise="torch", decode_graphs=False, **_DENSE),
+         "cpp_attention": dict(attention="cpp", linear="torch", elementwise="torch", decode_graphs=False, **_DENSE),
+         "cpp": dict(attention="cpp", linear="auto", elementwise="auto", decode_graphs=False, **_DENSE),
+         "cpp_blocks": dict(attention="cpp", linear="auto", elementwise="auto", decode_graphs=False,
+                            gguf_weights="blocks"),
          "paged": dict(attention="triton", decode_graphs=False),
          "paged+graphs": dict(attention="triton", decode_graphs=True)}
 
 
-def available_paths(device: str) -> list[str]:
+def available_paths(device: str, model: str | None = None, dtype: str = "float32") -> list[str]:
     import torch
 
+    from sits.engine.config import ModelConfig, resolve_dtype
+    from sits.engine.gguf_model import gguf_file
     from sits.engine.layers import cpu_kernels, paged_attention
 
     dev = torch.device(device)
     if dev.type == "cuda" and paged_attention.available(dev):
         return ["reference", "paged", "paged+graphs"]
     if dev.type == "cpu" and cpu_kernels.kernel(build=False) is not None:   # what `make install` built
-        return ["reference", "cpp_attention", "cpp"]
+        blocks = (model is not None and gguf_file(model) is not None
+                  and resolve_dtype(dtype, dev, ModelConfig.from_dir(model).torch_dtype) == torch.float32)
+        return ["reference", "cpp_attention", "cpp"] + ["cpp_blocks"] * blocks
     return ["reference"]
 
 
@@ -100,7 +110,7 @@ def run_step_bench(model: str, device: str = "cpu", dtype: str = "bfloat16", bat
                    context: int = 128, steps: int = 64, repeats: int = 3, hf: bool = True, threads: int | None = None,
                    json_out: str | None = None, docs_out: str | None = None) -> dict:
     hw = Hardware(device, dtype, threads)
-    paths = available_paths(device)
+    paths = available_paths(device, model, dtype)
     _log(f"step: {model} on {hw.describe()}; paths {', '.join(paths)}")
     rows: dict[str, dict] = {}
     for batch in batch_sizes:

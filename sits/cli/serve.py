@@ -15,6 +15,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto",
                    help="weights and KV cache: auto (follow the checkpoint: bf16 where this device computes it "
                         "natively, else fp32), float32, bfloat16 or float16 (default: auto)")
+    p.add_argument("--gguf-weights", default="auto", choices=["auto", "blocks", "dequantize"],
+                   help="a GGUF's Q4_0/Q4_1/Q8_0 weights: served as the file's blocks (fp32 on a CPU), or "
+                        "dequantized at load; auto: blocks where usable")
     p.add_argument("--quantization", default=None, choices=["int8"],
                    help="quantize the projections' weights at load: int8 (per-channel, weight-only; half the "
                         "memory of bf16) (default: none)")
@@ -77,7 +80,7 @@ def _engine_config(args: argparse.Namespace):
     from sits.engine.config import EngineConfig
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
                         policy=args.policy, kv_cache_memory_mb=args.kv_cache_mb, warmup=not args.no_warmup,
-                        quantization=args.quantization,
+                        quantization=args.quantization, gguf_weights=args.gguf_weights,
                         gpu_memory_utilization=args.gpu_memory_utilization or None)
 
 

@@ -2,7 +2,8 @@
 
 Everything the engine needs comes from the one file: the config from its ``llama.*`` metadata, the
 weights dequantized at load (F32, F16, BF16, Q8_0, Q4_0, Q4_1 and the K-quants the ``gguf`` package
-can dequantize) with llama.cpp's Q/K row permutation undone, and the tokenizer rebuilt from its
+can dequantize), or for Q8_0, Q4_0 and Q4_1 kept as the file's blocks (``layers.block_quant``), with
+llama.cpp's Q/K row permutation undone, and the tokenizer rebuilt from its
 ``tokenizer.ggml.*`` metadata: GPT-2 style BPE (``gpt2``) or SentencePiece (``llama``: Llama-2,
 Mistral, TinyLlama). The tokenizer follows the file and llama.cpp's rules, not transformers' GGUF
 conversion, which gets SmolLM2 wrong (its EOS, a BOS the file says not to add, no single-digit split)

@@ -96,6 +96,8 @@ def _container(spec: UnitSpec, model_path: str, opts: ExportOptions, notes: list
         args += ["--max-model-len", str(r.max_model_len)]
     if r.quantization is not None:
         args += ["--quantization", r.quantization]
+    if r.gguf_weights != "auto":
+        args += ["--gguf-weights", r.gguf_weights]
     if r.warmup is False:
         args += ["--no-warmup"]
     for adapter, path in spec.adapters.items():

@@ -94,6 +94,9 @@ class ResourcesSpec(_Strict):
     max_model_len: int | None = Field(None, ge=16)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"   # auto: follow the checkpoint
     quantization: Literal["int8"] | None = Field(None, description="int8: weight-only, per channel, at load")
+    gguf_weights: Literal["auto", "blocks", "dequantize"] = Field(
+        "auto", description="a GGUF's Q4_0/Q4_1/Q8_0 weights: served as the file's blocks (fp32 on a CPU) or "
+                            "dequantized at load; auto: blocks where usable")
     policy: Literal["pfsd", "fcfs"] = "pfsd"
     warmup: bool | Literal["all", "minimal"] = Field(
         "all", description="warm-up at start: all serving shapes, minimal (one prefill, one decode), or false")
@@ -302,7 +305,7 @@ class UnitSpec(_Strict):
                             kv_cache_memory_mb=r.kv_cache_mb, max_model_len=r.max_model_len,
                             warmup=r.warmup is not False,
                             warmup_shapes="minimal" if r.warmup == "minimal" else "all",
-                            quantization=r.quantization, lora_adapters=tuple(self.adapters.items()),
+                            quantization=r.quantization, gguf_weights=r.gguf_weights, lora_adapters=tuple(self.adapters.items()),
                             enable_lora=r.lora, max_loras=r.max_loras, max_lora_rank=r.max_lora_rank)
 
     def render_prompt(self, user_input: str) -> str:

@@ -7,8 +7,9 @@ are read as they are and expanded on the fly by the C++ kernels of ``cpu_kernels
 
 - up to ``KERNEL_MAX_ROWS`` activation rows (decode): ``block_linear`` expands each block in registers
   and uses it for every row at once (per block ``d * sum(q x) + m * sum(x)``);
-- more rows (prefill): the weight is expanded ``DEQUANT_SLICE_VALUES`` values at a time to fp32 and
-  multiplied by torch's matmul, which at many rows is faster than any loop over blocks;
+- more rows (prefill): the weight is expanded ``DEQUANT_SLICE_VALUES`` values at a time to fp32, into a
+  buffer reused across layers (it stays in the last-level cache), and multiplied by torch's matmul,
+  which at many rows is faster than any loop over blocks;
 - the token embedding expands only the rows it looks up (a tied LM head shares its blocks).
 
 Expanded values are exactly gguf's own dequantization's; sums run in another order than the BLAS's,
@@ -20,6 +21,7 @@ are dequantized at load as before.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +33,7 @@ from sits.engine.layers import cpu_kernels
 # the tensor types the kernels multiply in place: ggml's type id and the bytes of a 32-value block
 BLOCK_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
 BLOCK_VALUES = 32
-KERNEL_MAX_ROWS = 16                # above it, dequantized slices and torch's matmul (measured: docs/benchmarks.md)
+KERNEL_MAX_ROWS = 32                # above it, expanded slices and torch's matmul (measured: docs/benchmarks.md)
 DEQUANT_SLICE_VALUES = 1 << 21      # a prefill expands the weight this many values at a time (8 MB of fp32)
 
 
@@ -87,21 +89,49 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows <= KERNEL_MAX_ROWS and x.dtype == torch.float32 and not torch.is_grad_enabled():
+        grad = torch.is_grad_enabled()
+        if rows <= KERNEL_MAX_ROWS and x.dtype == torch.float32 and not grad:
             return cpu_kernels.loaded().block_linear(x, self.blocks, self.type_id, self.in_features, self.bias)
         step = max(1, DEQUANT_SLICE_VALUES // self.in_features)
+        # without autograd the slices are expanded into one reused buffer (autograd keeps the weight)
+        scratch = None if grad else _scratch(min(step, self.out_features) * self.in_features)
         if step >= self.out_features:
-            return F.linear(x, self.dequantized(0, self.out_features).to(x.dtype), self.bias)
+            return _matmul(x, self.dequantized(0, self.out_features, scratch).to(x.dtype), self.bias, rows)
         out = x.new_empty(*x.shape[:-1], self.out_features)
         for first in range(0, self.out_features, step):
             last = min(first + step, self.out_features)
             bias = None if self.bias is None else self.bias[first:last]
-            out[..., first:last] = F.linear(x, self.dequantized(first, last).to(x.dtype), bias)
+            out[..., first:last] = _matmul(x, self.dequantized(first, last, scratch).to(x.dtype), bias, rows)
         return out
 
-    def dequantized(self, first: int, last: int) -> torch.Tensor:
-        """Output rows ``[first, last)`` of the weight, as fp32."""
-        return dequantize(self.blocks[first:last], self.qtype, self.in_features)
+    def dequantized(self, first: int, last: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Output rows ``[first, last)`` of the weight as fp32 (in the front of ``out`` if given)."""
+        return cpu_kernels.loaded().block_dequantize(self.blocks[first:last], self.type_id, self.in_features, out)
+
+
+_local = threading.local()
+
+
+def _matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """``F.linear``, split across the threads for up to ``SPLIT_MAX_ROWS`` rows (``linear.split_matmul``:
+    a BLAS may run a matmul of that few rows on one core)."""
+    from sits.engine.layers.linear import SPLIT_MAX_ROWS, split_matmul
+
+    threads = torch.get_num_threads()
+    if rows <= SPLIT_MAX_ROWS and threads > 1 and not torch.is_grad_enabled():
+        ways = next((k for k in range(threads, 1, -1) if w.shape[0] % k == 0), 1)
+        if ways > 1:
+            return split_matmul(x, w, bias, ways)
+    return F.linear(x, w, bias)
+
+
+def _scratch(values: int) -> torch.Tensor:
+    """This thread's buffer for expanded weight slices, grown to ``values`` fp32 values: reused, its
+    pages stay mapped, where a fresh tensor per slice faults in every page of the model per step."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < values:
+        buf = _local.buf = torch.empty(values)
+    return buf
 
 
 class BlockEmbedding(nn.Module):

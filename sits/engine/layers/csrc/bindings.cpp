@@ -8,7 +8,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
 torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t in_features,
                            c10::optional<torch::Tensor> bias);
-torch::Tensor block_dequantize(torch::Tensor blocks, int64_t qtype, int64_t in_features);
+torch::Tensor block_dequantize(torch::Tensor blocks, int64_t qtype, int64_t in_features,
+                               c10::optional<torch::Tensor> out);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, c10::optional<torch::Tensor> residual);
 void rope_store_kv(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                    torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping);
@@ -26,7 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("in_features"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("block_dequantize", &block_dequantize, "GGUF blocks (Q4_0, Q4_1, Q8_0) as an fp32 [out, in] weight",
-        py::arg("blocks"), py::arg("qtype"), py::arg("in_features"), py::call_guard<py::gil_scoped_release>());
+        py::arg("blocks"), py::arg("qtype"), py::arg("in_features"), py::arg("out") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, after adding x into residual in place if given",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none(),
         py::call_guard<py::gil_scoped_release>());

@@ -22,9 +22,11 @@ namespace {
 // ggml's type ids, and the bytes of one block of 32 values
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
 constexpr int64_t kBlock = 32;
-// up to this many activation rows, blocks are expanded in registers per group of four rows; above
-// it a tile is expanded once into a buffer for all rows
+// up to kInRegistersMaxRows activation rows, each block is expanded in registers once per group of
+// kRowsInRegisters rows (an accumulator each; groups of 8 measured no faster); above it a tile is
+// expanded once into a buffer for all rows
 constexpr int64_t kInRegistersMaxRows = 16;
+constexpr int64_t kRowsInRegisters = 4;
 
 int64_t block_bytes(int64_t qtype) {
   switch (qtype) {
@@ -114,11 +116,11 @@ template <int64_t QT>
 void few_rows_times_blocks(const float* x, const float* sx, int64_t M, int64_t K, const uint8_t* blocks,
                            int64_t row_bytes, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t nb = K / kBlock;
-  for (int64_t r = 0; r < M; r += 4) {
+  for (int64_t r = 0; r < M; r += kRowsInRegisters) {
     const float* xr = x + r * K;
     const float* sr = sx + r * nb;
     float* yr = y + r * ldy;
-    switch (std::min<int64_t>(4, M - r)) {
+    switch (std::min<int64_t>(kRowsInRegisters, M - r)) {
       case 1: rows_times_blocks<QT, 1>(xr, sr, K, blocks, row_bytes, yr, ldy, n0, n1); break;
       case 2: rows_times_blocks<QT, 2>(xr, sr, K, blocks, row_bytes, yr, ldy, n0, n1); break;
       case 3: rows_times_blocks<QT, 3>(xr, sr, K, blocks, row_bytes, yr, ldy, n0, n1); break;
@@ -183,16 +185,25 @@ int64_t check_blocks(const torch::Tensor& blocks, int64_t qtype, int64_t K) {
 
 }  // namespace
 
-// The weight as fp32 [out, in], every row expanded from its blocks (in parallel over the rows).
-torch::Tensor block_dequantize(torch::Tensor blocks, int64_t qtype, int64_t in_features) {
+// The weight as fp32 [out, in], every row expanded from its blocks (in parallel over the rows); into
+// the front of ``out`` when given (a reused buffer: no fresh pages to fault in for every weight).
+torch::Tensor block_dequantize(torch::Tensor blocks, int64_t qtype, int64_t in_features,
+                               c10::optional<torch::Tensor> out) {
   const int64_t row_bytes = check_blocks(blocks, qtype, in_features), N = blocks.size(0), K = in_features;
-  auto out = torch::empty({N, K}, blocks.options().dtype(at::kFloat));
+  torch::Tensor w;
+  if (out.has_value() && out->defined()) {
+    TORCH_CHECK(out->device().is_cpu() && out->scalar_type() == at::kFloat && out->is_contiguous() &&
+                    out->numel() >= N * K, "out must be a contiguous fp32 CPU tensor of at least ", N * K, " values");
+    w = out->view({-1}).narrow(0, 0, N * K).view({N, K});
+  } else {
+    w = torch::empty({N, K}, blocks.options().dtype(at::kFloat));
+  }
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
+  float* wp = w.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) dequantize_row(qtype, bp + n * row_bytes, op + n * K, K);
+    for (int64_t n = n0; n < n1; ++n) dequantize_row(qtype, bp + n * row_bytes, wp + n * K, K);
   });
-  return out;
+  return w;
 }
 
 // x @ W.T (+ bias), W given as its blocks: the weight's rows split across the threads, each thread
