@@ -9,9 +9,7 @@ the expanded matmul overtakes the block kernel (``KERNEL_MAX_ROWS``).
     .venv/bin/python bench/block_linear_rows.py models/default [ROWS,...]
 """
 
-import statistics
 import sys
-import time
 
 import torch
 
@@ -20,16 +18,7 @@ from sits.engine.layers import block_quant, cpu_kernels
 from sits.engine.layers.block_quant import BlockLinear
 from sits.engine.layers.linear import Linear, split_linears, use_cpu_kernel
 from sits.engine.loader import load_model
-
-
-def _ms(fn, passes: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(passes):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+from split_linear_rows import _ms
 
 
 def _linears(model) -> list:
