@@ -157,16 +157,19 @@ def _gguf_name(hf_name: str) -> str:
 
 
 def write_llama_gguf(path: str | Path, model, qtype: Q | Callable[[str], Q], *,
-                     seed: int = 0) -> dict[str, torch.Tensor]:
-    """Write ``model`` (a transformers LlamaForCausalLM) as llama.cpp would, 2-D weights in ``qtype``
-    (or ``qtype(gguf_name)``), with the ``spm_vocab`` tokenizer. Returns the weights the file really
-    holds, HF-named and HF-ordered in fp32: what a correct loader must produce."""
+                     seed: int = 0, arch: str = "llama") -> dict[str, torch.Tensor]:
+    """Write ``model`` (a transformers LlamaForCausalLM, or Qwen2ForCausalLM with ``arch="qwen2"``) as
+    llama.cpp would, 2-D weights in ``qtype`` (or ``qtype(gguf_name)``), with the ``spm_vocab``
+    tokenizer; Q/K rows (and biases) permuted for ``llama`` only (convert_hf_to_gguf.py's Qwen2 keeps
+    HF's order).
+    Returns the weights the file really holds, HF-named and HF-ordered in fp32: what a correct loader
+    must produce."""
     cfg = model.config
     type_of = qtype if callable(qtype) else (lambda _name: qtype)
     rng = np.random.default_rng(seed)
     assert cfg.vocab_size == len(spm_vocab()[0])
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-test-llama")
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-test-{arch}")
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -185,6 +188,8 @@ def write_llama_gguf(path: str | Path, model, qtype: Q | Callable[[str], Q], *,
         name = _gguf_name(hf_name)
         data = param.detach().float().numpy()
         heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(name.split(".")[-2])
+        if arch != "llama":
+            heads = None
         if heads:
             data = permute(data, heads)
         t = Q.F32 if data.ndim == 1 else type_of(name)

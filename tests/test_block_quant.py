@@ -199,3 +199,41 @@ def test_the_step_bench_times_blocks_beside_the_dequantized_paths_for_an_fp32_gg
     assert available_paths("cpu", gguf_files["q4_1"], "float32") == ["reference", "cpp_attention", "cpp", "cpp_blocks"]
     assert "cpp_blocks" not in available_paths("cpu", gguf_files["q4_1"], "bfloat16")
     assert "cpp_blocks" not in available_paths("cpu", tiny_model_dir, "float32")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama-biased"])
+def test_biased_projections_keep_their_biases_in_blocks_and_qwen2_rows_stay_unpermuted(kernel, tmp_path, arch):
+    """Qwen2 (q/k/v biases; llama.cpp does not permute its Q/K rows) and a Llama with attention and
+    MLP biases (llama.cpp permutes its q/k biases with their rows), Q8_0 weights: the engine over the
+    blocks and over dequantized weights both match transformers on the weights the file holds."""
+    pytest.importorskip("transformers")
+    import transformers
+    from gguf_writer_util import spm_vocab, write_llama_gguf
+
+    torch.manual_seed(0)
+    vocab = len(spm_vocab()[0])
+    if arch == "qwen2":
+        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(vocab_size=vocab, tie_word_embeddings=False,
+                                                                    **TINY)).eval()
+    else:
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=vocab, tie_word_embeddings=False, attention_bias=True, mlp_bias=True, **TINY)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)                      # biases that matter (they start at zero)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    held = write_llama_gguf(path, hf, Q.Q8_0, arch="qwen2" if arch == "qwen2" else "llama")
+    assert any(k.endswith("q_proj.bias") for k in held)
+    hf.load_state_dict(held, strict=False)
+    ids = torch.tensor([[1] + torch.randint(3, vocab, (20,), generator=torch.Generator().manual_seed(3)).tolist()])
+    with torch.inference_mode():
+        want = hf(input_ids=ids).logits[0].float()
+    for mode in ("blocks", "dequantize"):
+        eng = _engine(str(path), gguf_weights=mode)
+        assert eng.gguf_blocks == (mode == "blocks")
+        with torch.inference_mode():
+            got = eng.model.forward_dense(ids)[0]
+        assert (got - want).abs().max().item() <= 1e-4, mode
+        out = greedy_mixed(eng, [ids[0].tolist()], 6)[0]
+        assert out == dense_greedy(eng, ids[0].tolist(), 6)

@@ -122,6 +122,9 @@ class GGUFModel:
             # dequantized weights are fp32, but their precision is the file's: auto may compute in bf16
             "torch_dtype": "bfloat16" if low_precision else "float32",
         }
+        if self.arch == "llama":      # a Llama's biases are only known by their tensors
+            raw["attention_bias"] = "blk.0.attn_q.bias" in names
+            raw["mlp_bias"] = "blk.0.ffn_gate.bias" in names
         if self._a("attention.sliding_window"):
             raw["sliding_window"] = int(self._a("attention.sliding_window"))
         scaling = self._a("rope.scaling.type")
@@ -133,7 +136,8 @@ class GGUFModel:
 
     # -- weights ---------------------------------------------------------------------------------
     def state_dict(self, dtype: torch.dtype, keep_blocks: bool = False) -> dict[str, Any]:
-        """HF-named tensors, dequantized and cast to ``dtype``, Q/K rows back in HF's order. With
+        """HF-named tensors, dequantized and cast to ``dtype``, Q/K rows back in HF's order (llama.cpp
+        permutes them for its ``llama`` architecture only: a ``qwen2`` file keeps HF's rotate-half rows). With
         ``keep_blocks``, the 2-D weights of the types the CPU kernels multiply in place (Q4_0, Q4_1,
         Q8_0) come as ``BlockWeight``s instead: the file's blocks (views of its map where no row is
         moved), their rows un-permuted as whole rows of blocks."""
@@ -153,7 +157,7 @@ class GGUFModel:
                 with warnings.catch_warnings():       # a read-only view: the weights are never written to
                     warnings.simplefilter("ignore", UserWarning)
                     blocks = torch.from_numpy(t.data.reshape(shape[0], -1))
-                w = _unpermute_rows(name, blocks, heads, kv_heads)
+                w = _unpermute_rows(name, blocks, heads, kv_heads) if self.arch == "llama" else blocks
                 out[name] = BlockWeight(t.tensor_type.name, w.contiguous(), shape[1])
                 continue
             try:
@@ -164,7 +168,9 @@ class GGUFModel:
                                             code="unsupported_quantization") from None
             values = np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
             w = torch.from_numpy(values if values.flags.writeable else values.copy())   # F32: a read-only map
-            out[name] = _unpermute_rows(name, w, heads, kv_heads).to(dtype)
+            if self.arch == "llama":
+                w = _unpermute_rows(name, w, heads, kv_heads)
+            out[name] = w.to(dtype)
         return out
 
     # -- tokenizer -------------------------------------------------------------------------------
@@ -280,11 +286,11 @@ def _hf_name(gguf_name: str) -> str | None:
 
 
 def _unpermute_rows(name: str, w: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
-    """``w`` with llama.cpp's Q/K row permutation undone if ``name`` is a query or key projection
-    (rows of values, or rows of blocks: the permutation moves whole rows)."""
-    if name.endswith("q_proj.weight"):
+    """``w`` with llama.cpp's Q/K row permutation undone if ``name`` is a query or key projection's
+    weight or bias (rows of values, or rows of blocks: the permutation moves whole rows)."""
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
         return _unpermute(w, heads)
-    if name.endswith("k_proj.weight"):
+    if name.endswith(("k_proj.weight", "k_proj.bias")):
         return _unpermute(w, kv_heads)
     return w
 

@@ -183,7 +183,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
         raise ModelLoadError(f"{model_dir}: weights do not match {cfg.architecture}: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     blocks = {name: state.pop(name) for name in list(state) if isinstance(state[name], BlockWeight)}
-    swapped = _swap_block_modules(model, blocks, cfg.tie_word_embeddings)
+    swapped = _swap_block_modules(model, blocks, state, cfg.tie_word_embeddings)
     expected -= swapped
     upload = None
     converted: set[str] = set()   # names whose tensors are now this process's memory, not the file's
@@ -206,15 +206,19 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
         p.requires_grad_(False)
     if upload is not None:
         upload.finish()
-    # whether the projections merged for serving are copies already (merging them then costs no memory)
+    # whether the projections merged for serving are copies already (merging them then costs no memory;
+    # a GGUF's are, or are blocks, whose merge copies a fifth of the dequantized size)
     model.weights_copied = gguf is not None or upload is not None or all(
         name in converted for name in expected if name.endswith(_MERGED_PROJECTIONS))
     return model.eval()
 
 
-def _swap_block_modules(model: LlamaForCausalLM, blocks: dict[str, BlockWeight], tied: bool) -> set[str]:
+def _swap_block_modules(model: LlamaForCausalLM, blocks: dict[str, BlockWeight], state: dict[str, torch.Tensor],
+                        tied: bool) -> set[str]:
     """Put a ``BlockLinear`` (``BlockEmbedding`` for the token embedding, and a ``BlockLinear`` over the
-    same blocks for a tied LM head) where each of ``blocks`` goes; returns the weights' names."""
+    same blocks for a tied LM head) where each of ``blocks`` goes, its bias (Qwen2's q/k/v) taken out
+    of ``state``; returns the names of the weights and biases they took."""
+    taken = set(blocks)
     for name, weight in blocks.items():
         path = name.removesuffix(".weight")
         parent_path, _, attr = path.rpartition(".")
@@ -223,9 +227,16 @@ def _swap_block_modules(model: LlamaForCausalLM, blocks: dict[str, BlockWeight],
             parent.embed_tokens = BlockEmbedding(weight)
             if tied:
                 model.lm_head = BlockLinear(weight)
-        else:
-            setattr(parent, attr, BlockLinear(weight))
-    return set(blocks)
+            continue
+        dense = getattr(parent, attr)
+        if (dense.out_features, dense.in_features) != (weight.out_features, weight.in_features):
+            raise ModelLoadError(f"{name}: the file's blocks hold [{weight.out_features}, {weight.in_features}], "
+                                 f"the model expects [{dense.out_features}, {dense.in_features}]")
+        bias = state.pop(f"{path}.bias", None)
+        if bias is not None:
+            taken.add(f"{path}.bias")
+        setattr(parent, attr, BlockLinear(weight, bias))
+    return taken
 
 
 def upload_module(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:

@@ -130,7 +130,7 @@ def _scratch(values: int) -> torch.Tensor:
     pages stay mapped, where a fresh tensor per slice faults in every page of the model per step."""
     buf = getattr(_local, "buf", None)
     if buf is None or buf.numel() < values:
-        buf = _local.buf = torch.empty(values)
+        buf = _local.buf = torch.empty(values, dtype=torch.float32)
     return buf
 
 

@@ -11,6 +11,10 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -219,8 +223,9 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype,
 #if defined(__AVX2__) && defined(__FMA__)
   if (M <= kInRegistersMaxRows) {     // a block's values used straight from registers
     const int64_t nb = K / kBlock;
-    std::vector<float> sx(qtype == kQ4_1 ? M * nb : 0);
-    for (int64_t i = 0; i < static_cast<int64_t>(sx.size()); ++i) {
+    const int64_t sums = qtype == kQ4_1 ? M * nb : 0;      // only Q4_1 has a minimum to multiply
+    std::vector<float> sx(std::max<int64_t>(sums, 1));
+    for (int64_t i = 0; i < sums; ++i) {
       float s = 0.f;
       for (int64_t j = 0; j < kBlock; ++j) s += xp[i * kBlock + j];
       sx[i] = s;
