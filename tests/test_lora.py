@@ -15,6 +15,7 @@ from sits.engine.llm_engine import LLMEngine
 from sits.engine.loader import load_model
 from sits.engine.lora import AdapterInUseError, AdapterManager, AdapterNotFoundError, InvalidAdapterError
 from sits.engine.sampling_params import SamplingParams
+from conftest import require_cpu_kernel
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -307,11 +308,12 @@ def test_adapters_over_http_with_the_openai_client(serve_tiny, tiny_adapters, en
     ("gathered", ["a", "c", None, "b"], True),      # slots 0-2, read where they are
     ("gathered", ["a", "c", None, "a"], True),      # slots 0 and 2: slot 1 gets a group of padding
     ("gathered", ["a", "e", None, "e"], False),     # slots 0 and 4 of 5: those two gathered
-    ("groups", ["a", "c", None, "b"], None)])
+    ("groups", ["a", "c", None, "b"], None),
+    ("rows", ["a", "e", None, "c"], None)])         # the C++ call, each row its slot; alone: torch's path
 def test_every_row_gets_its_own_adapter_in_a_mixed_step(base, adapters, mode, names, in_place):
     """Rows of several adapters and of the base model in one forward (batched matmuls over the slots'
-    stacks, read in place or gathered, or one adapter at a time): each row equals its sequence run
-    with its adapter alone."""
+    stacks, read in place or gathered, or one adapter at a time, or the C++ kernel naming each row's
+    slot): each row equals its sequence run with its adapter alone."""
     path, _ = base
     root, _ = adapters
     cfg = ModelConfig.from_dir(path)
@@ -322,6 +324,8 @@ def test_every_row_gets_its_own_adapter_in_a_mixed_step(base, adapters, mode, na
         manager.add(name, manager.read(name, root / folder))
     if mode == "groups":
         manager.GATHER_WASTE = 0.0
+    if mode == "rows":
+        require_cpu_kernel()
     ids = torch.randint(0, BASE["vocab_size"], (4, 24), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         for name in ("a", "b", "c", "d", "e"):          # resident in slots 0-4, in this order
@@ -335,6 +339,7 @@ def test_every_row_gets_its_own_adapter_in_a_mixed_step(base, adapters, mode, na
         for i, n in enumerate(names):
             if n:
                 rows_of.setdefault(n, []).extend(range(i * 24, (i + 1) * 24))
+        manager.cpu_kernel = mode == "rows"
         manager.bind(rows_of, ids.numel())
         assert manager.batch.mode == mode
         if in_place is not None:
@@ -452,3 +457,21 @@ def test_unloading_the_widest_adapter_shrinks_the_stacks(base, adapters):
     assert tokens == steps.argmax(-1).tolist()
     eng.unload_adapter("b")
     assert widths() == {0}
+
+
+def test_the_cpu_lora_kernel_adds_each_rows_own_update():
+    kernel = require_cpu_kernel()
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(7, 40, generator=g), torch.randn(7, 24, generator=g)
+    A, B = torch.randn(3, 5, 40, generator=g), torch.randn(3, 24, 5, generator=g)
+    slots = torch.tensor([2, -1, 0, 0, 1, -1, 2])
+    want = y.clone()
+    for m, s in enumerate(slots.tolist()):
+        if s >= 0:
+            want[m] += B[s] @ (A[s] @ x[m])
+    kernel.lora_add(x, y, A, B, slots)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="slot 3 of 3"):
+        kernel.lora_add(x, y, A, B, torch.tensor([0, 0, 0, 0, 0, 0, 3]))
+    with pytest.raises(RuntimeError, match="fp32"):
+        kernel.lora_add(x.double(), y, A, B, slots)

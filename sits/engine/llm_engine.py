@@ -195,6 +195,8 @@ class LLMEngine:
         self.linear = resolve_cpu_kernel("linear", cfg.linear, self.device, self.dtype)
         self.elementwise = resolve_cpu_kernel("elementwise", cfg.elementwise, self.device, self.dtype)
         self.model.use_cpu_kernels(linear=self.linear == "cpp", elementwise=self.elementwise == "cpp")
+        if self.adapters is not None:       # the adapters' few-row products follow the linears' choice
+            self.adapters.cpu_kernel = self.linear == "cpp"
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.adapters, self.attention,
                                   cfg.max_num_seqs, self.max_model_len, cfg.decode_graphs)
         self.scheduler = Scheduler(cfg, self.pool, self.max_model_len)

@@ -10,7 +10,10 @@ Within a step every token belongs to one adapter or none. Each adapted projectio
 output once for the whole batch; then the rows of each adapter are gathered (padded to the largest
 group) and their low-rank updates computed for all adapters at once, two batched matmuls against
 the resident slots' stacked matrices, and added back to those rows: S-LoRA's and Punica's batching of
-different adapters against shared weights, posed as ``bmm``. A fused projection (q|k|v, gate|up) holds
+different adapters against shared weights, posed as ``bmm``. In fp32 on a CPU with the C++ kernels
+(``EngineConfig.linear`` cpp, what ``auto`` takes) one call per projection (``lora_add``) does it all
+instead, each row reading its own adapter's matrices: torch's small matmuls, gathers and index_add
+cost far more than their arithmetic at a decode step's rows. A fused projection (q|k|v, gate|up) holds
 its parts' A matrices stacked and their B matrices placed in the parts' output columns, so one pair of
 matmuls serves every part.
 """
@@ -32,6 +35,7 @@ from torch import nn
 
 from sits.engine.config import ModelConfig
 from sits.engine.errors import InvalidRequestError, SitsError
+from sits.engine.layers import cpu_kernels
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
@@ -172,10 +176,12 @@ class LoraBatch:
     as two batched matmuls against those slots' stacks and added back (``valid`` of the padded
     results to ``rows``); the stacks are read in place when the groups are the slots ``span`` in
     order (a slot between the step's ones gets a group of padding), else gathered (``slots``).
-    ``groups``: per slot its rows, when padding would waste too much.
+    ``groups``: per slot its rows, when padding would waste too much. ``rows`` (fp32 on a CPU with the
+    kernels): ``row_slots`` names each flat row's slot (-1: none), and one C++ call per projection
+    adds every row's update, whatever the mix.
     """
 
-    __slots__ = ("mode", "slot", "slots", "span", "gather", "valid", "rows", "shape", "groups")
+    __slots__ = ("mode", "slot", "slots", "span", "gather", "valid", "rows", "shape", "groups", "row_slots")
 
     def __init__(self) -> None:
         self.clear()
@@ -187,6 +193,7 @@ class LoraBatch:
         self.span = (0, 0)
         self.shape = (0, 0)
         self.groups: list[tuple[int, torch.Tensor]] = []
+        self.row_slots: torch.Tensor | None = None     # set: every mode runs as one C++ call (fp32 CPU)
 
 
 class LoraLinear(nn.Module):
@@ -212,6 +219,9 @@ class LoraLinear(nn.Module):
         if b.mode is None or self.A is None:
             return out
         x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+        if b.row_slots is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
+            cpu_kernels.loaded().lora_add(x2.contiguous(), out2, self.A, self.B, b.row_slots)
+            return out
         if b.mode == "one":
             out2 += (x2 @ self.A[b.slot].t()) @ self.B[b.slot].t()
         elif b.mode == "gathered":
@@ -304,6 +314,7 @@ class AdapterManager:
 
     GATHER_WASTE = 4.0         # padded rows / real rows above which a step's adapters run one by one
     SPAN_WASTE = 2.0           # slots read in place / slots used, above which the used ones are gathered
+    cpu_kernel = False         # fp32 on a CPU: each projection's updates in one C++ call (``lora_add``)
 
     def __init__(self, model: nn.Module, mc: ModelConfig, device: torch.device, dtype: torch.dtype,
                  max_loras: int, max_rank: int):
@@ -380,6 +391,12 @@ class AdapterManager:
         keep = set(rows_of)
         slots = {name: self._slot(name, keep) for name in rows_of}
         to = self.device
+        if self.cpu_kernel:        # one call per projection, whatever the mix: each row names its slot
+            row_slots = torch.full((num_rows,), -1, dtype=torch.long)
+            for name, rows in rows_of.items():
+                row_slots[rows] = slots[name]
+            b.mode, b.row_slots = "rows", row_slots
+            return
         if len(rows_of) == 1 and len(next(iter(rows_of.values()))) == num_rows:
             b.mode, b.slot = "one", slots[next(iter(rows_of))]
             return

@@ -10,6 +10,7 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype,
                            c10::optional<torch::Tensor> bias);
 torch::Tensor block_dequantize(torch::Tensor blocks, int64_t qtype, int64_t in_features,
                                c10::optional<torch::Tensor> out);
+void lora_add(torch::Tensor x, torch::Tensor y, torch::Tensor A, torch::Tensor B, torch::Tensor row_slots);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, c10::optional<torch::Tensor> residual);
 void rope_store_kv(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                    torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping);
@@ -28,6 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("block_dequantize", &block_dequantize, "GGUF blocks (Q4_0, Q4_1, Q8_0) as an fp32 [out, in] weight",
         py::arg("blocks"), py::arg("qtype"), py::arg("in_features"), py::arg("out") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("lora_add", &lora_add, "y[m] += B[s] @ (A[s] @ x[m]) for each row m and its adapter slot s (-1: none), fp32",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, after adding x into residual in place if given",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none(),
