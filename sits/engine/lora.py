@@ -219,8 +219,14 @@ class LoraLinear(nn.Module):
         if b.mode is None or self.A is None:
             return out
         x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
-        if b.row_slots is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
-            cpu_kernels.loaded().lora_add(x2.contiguous(), out2, self.A, self.B, b.row_slots)
+        if b.row_slots is not None:
+            if x.dtype == torch.float32 and not torch.is_grad_enabled():
+                cpu_kernels.loaded().lora_add(x2.contiguous(), out2, self.A, self.B, b.row_slots)
+            else:                       # (a forward the kernel does not take: each slot's rows in turn)
+                for slot in b.row_slots.unique().tolist():
+                    if slot >= 0:
+                        rows = (b.row_slots == slot).nonzero().squeeze(1)
+                        out2.index_add_(0, rows, (x2.index_select(0, rows) @ self.A[slot].t()) @ self.B[slot].t())
             return out
         if b.mode == "one":
             out2 += (x2 @ self.A[b.slot].t()) @ self.B[b.slot].t()
