@@ -80,10 +80,6 @@ class BlockLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     @property
-    def weight_blocks(self) -> BlockWeight:
-        return BlockWeight(self.qtype, self.blocks, self.in_features)
-
-    @property
     def num_weights(self) -> int:
         return self.in_features * self.out_features
 
