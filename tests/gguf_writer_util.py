@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import TokenType
 
 # what gguf.quants can only dequantize: written here as random, well-formed blocks
-K_QUANTS = (Q.Q4_K, Q.Q6_K)
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 _LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
           "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
@@ -100,13 +100,14 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def random_kquant(rows: int, cols: int, qtype: Q, rng: np.random.Generator) -> np.ndarray:
-    """Random but well-formed Q4_K / Q6_K blocks (the gguf package cannot quantize K-quants): random
+    """Random but well-formed Q4_K / Q5_K / Q6_K blocks (the gguf package cannot quantize K-quants): random
     quants and sub-block scales, super-block scales chosen so values are of weight-like size."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     n = rows * cols // block
     raw = rng.integers(0, 256, (n, size), dtype=np.uint8)
     d = rng.uniform(1e-4, 3e-4, n).astype(np.float16).view(np.uint8).reshape(n, 2)
-    if qtype == Q.Q4_K:            # d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit quants
+    if qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin (f16), 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of fifth
+        #                            bits), 128 bytes of 4-bit quants
         raw[:, 0:2] = d
         raw[:, 2:4] = (d.view(np.float16) * np.float16(7.5)).view(np.uint8)
     elif qtype == Q.Q6_K:          # 128 + 64 bytes of 6-bit quants, 16 int8 scales, d (f16)

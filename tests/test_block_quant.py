@@ -1,6 +1,7 @@
-"""A GGUF's Q4_0/Q4_1/Q8_0 weights served as the file's blocks (``layers.block_quant``): the C++
-expansion equals gguf's own dequantization, the block matmul equals a matmul over the dequantized
-weight to rounding at every row count, and an engine serving a GGUF from its blocks
+"""A GGUF's block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K,
+Q6_K) served as the file's blocks (``layers.block_quant``): the C++ expansion equals gguf's own
+dequantization (with AVX2, and in the portable build), the block matmul equals a matmul over the
+dequantized weight to rounding at every row count, and an engine serving a GGUF from its blocks
 (``gguf_weights``: blocks) picks the greedy tokens of the same engine over dequantized weights, in a
 fraction of the memory."""
 
@@ -21,7 +22,7 @@ from sits.engine.llm_engine import LLMEngine
 from sits.engine.quantization import weight_bytes
 from conftest import dense_greedy, greedy_mixed, require_cpu_kernel
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +30,21 @@ def kernel():
     return require_cpu_kernel()
 
 
+def _cols(qtype: Q, n: int) -> int:
+    """A row of ``n`` 32-value blocks, or of ``n`` K-quant super-blocks of 256 (``n`` // 3 + 1 of them)"""
+    return n * 32 if BLOCK_TYPES[qtype.name][1] == 32 else (n // 3 + 1) * 256
+
+
 def _blocks(qtype: Q, rows: int, cols: int, seed: int) -> tuple[BlockWeight, torch.Tensor]:
-    """Random weights quantized by the gguf package, and gguf's dequantization of them."""
-    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
-    raw = gguf.quants.quantize(w, qtype)
+    """Random weights quantized by the gguf package (random well-formed blocks for the K-quants,
+    which it cannot quantize), and gguf's dequantization of them."""
+    from gguf_writer_util import K_QUANTS, random_kquant
+
+    rng = np.random.default_rng(seed)
+    if qtype in K_QUANTS:
+        raw = random_kquant(rows, cols, qtype, rng)
+    else:
+        raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qtype)
     want = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32).reshape(rows, cols))
     return BlockWeight(qtype.name, torch.from_numpy(raw.copy()), cols), want
 
@@ -45,20 +57,22 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_expanded_blocks_are_ggufs_own_dequantization_exactly(kernel, qtype):
-    bw, want = _blocks(qtype, 70, 96, seed=int(qtype))
+    cols = _cols(qtype, 3)
+    bw, want = _blocks(qtype, 70, cols, seed=int(qtype))
     assert torch.equal(bw.dequantize(), want)
-    buffer = torch.full((70 * 96 + 50,), float("nan"))              # a reused buffer, larger than needed
+    buffer = torch.full((70 * cols + 50,), float("nan"))            # a reused buffer, larger than needed
     assert torch.equal(BlockLinear(bw).dequantized(5, 40, buffer), want[5:40])
-    assert torch.equal(buffer[:35 * 96].view(35, 96), want[5:40]) and buffer[35 * 96:].isnan().all()
+    assert torch.equal(buffer[:35 * cols].view(35, cols), want[5:40]) and buffer[35 * cols:].isnan().all()
     with pytest.raises(RuntimeError, match="at least"):
-        kernel.block_dequantize(bw.blocks, BLOCK_TYPES[qtype.name][0], 96, torch.empty(100))
+        kernel.block_dequantize(bw.blocks, BLOCK_TYPES[qtype.name][0], cols, torch.empty(100))
 
 
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 16, 17, 33])
-@pytest.mark.parametrize("out_f, in_f", [(1, 32), (67, 96), (300, 576)])
-def test_block_matmul_equals_a_matmul_over_the_dequantized_weight(kernel, qtype, rows, out_f, in_f):
+@pytest.mark.parametrize("out_f, blocks", [(1, 1), (67, 3), (300, 18)])
+def test_block_matmul_equals_a_matmul_over_the_dequantized_weight(kernel, qtype, rows, out_f, blocks):
     """Every row count the kernel takes (in registers up to 16, through an expanded tile above)."""
+    in_f = _cols(qtype, blocks)
     bw, w = _blocks(qtype, out_f, in_f, seed=rows + out_f)
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_f, generator=g)
@@ -69,23 +83,25 @@ def test_block_matmul_equals_a_matmul_over_the_dequantized_weight(kernel, qtype,
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_the_layer_serves_decode_rows_from_blocks_and_prefill_from_dequantized_slices(kernel, qtype, monkeypatch):
-    bw, w = _blocks(qtype, 200, 64, seed=3)
+    cols = _cols(qtype, 2)
+    bw, w = _blocks(qtype, 200, cols, seed=3)
     layer = BlockLinear(bw)
     g = torch.Generator().manual_seed(4)
     with torch.inference_mode():
-        for shape in [(1, 64), (2, 3, 64), (block_quant.KERNEL_MAX_ROWS, 64), (40, 64)]:
+        for shape in [(1, cols), (2, 3, cols), (block_quant.KERNEL_MAX_ROWS, cols), (40, cols)]:
             x = torch.randn(*shape, generator=g)
             _close(layer(x), F.linear(x, w))
-        monkeypatch.setattr(block_quant, "DEQUANT_SLICE_VALUES", 64 * 30)     # a prefill in 7 slices of rows
-        x = torch.randn(3, 20, 64, generator=g)
+        monkeypatch.setattr(block_quant, "DEQUANT_SLICE_VALUES", cols * 30)   # a prefill in 7 slices of rows
+        x = torch.randn(3, 20, cols, generator=g)
         _close(layer(x), F.linear(x, w))
-    x = torch.randn(2, 64, requires_grad=True)          # autograd: through the dequantized weight
+    x = torch.randn(2, cols, requires_grad=True)        # autograd: through the dequantized weight
     layer(x).sum().backward()
-    _close(x.grad, w.sum(0).expand(2, 64))
+    _close(x.grad, w.sum(0).expand(2, cols))
 
 
-def test_the_embedding_expands_only_the_rows_it_looks_up(kernel):
-    bw, w = _blocks(Q.Q8_0, 50, 64, seed=5)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K])
+def test_the_embedding_expands_only_the_rows_it_looks_up(kernel, qtype):
+    bw, w = _blocks(qtype, 50, _cols(qtype, 2), seed=5)
     ids = torch.tensor([[3, 49, 0], [3, 7, 7]])
     assert torch.equal(BlockEmbedding(bw)(ids), F.embedding(ids, w))
 
@@ -106,12 +122,16 @@ def test_projections_of_one_type_fuse_and_a_mix_does_not(kernel):
 def test_malformed_blocks_are_refused(kernel):
     bw, _ = _blocks(Q.Q4_1, 4, 64, seed=1)
     with pytest.raises(ValueError):
-        BlockWeight("Q4_K", bw.blocks, 64)
+        BlockWeight("Q3_K", bw.blocks, 64)
     with pytest.raises(ValueError):
         BlockWeight("Q4_1", bw.blocks, 96)              # rows of 64 values, not 96
+    with pytest.raises(ValueError):
+        BlockWeight("Q4_K", bw.blocks[:, :16], 128)     # a K-quant row is whole super-blocks of 256
     with pytest.raises(RuntimeError, match="bytes"):
         kernel.block_linear(torch.randn(1, 96), bw.blocks, 3, 96)
     with pytest.raises(RuntimeError, match="unknown block type"):
+        kernel.block_dequantize(bw.blocks, 11, 64)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
         kernel.block_dequantize(bw.blocks, 12, 64)
 
 
@@ -125,6 +145,16 @@ def _mixed(name: str) -> Q:
     return Q.Q8_0 if name.startswith(("token_embd", "blk.1.attn_v")) else Q.Q4_0 if "ffn_down" in name else Q.Q4_1
 
 
+def _k_mixed(name: str) -> Q:
+    """As llama.cpp's Q4_K_M mixes them: Q4_K, with Q6_K values, downs and LM head; here also layer 1's
+    q/k in Q5_K, its gate and up in Q5_0 and Q5_1, and layer 0's attention output in F16 (a type
+    served dequantized)."""
+    if name.startswith("output.") or "ffn_down" in name or "attn_v" in name:
+        return Q.Q6_K
+    return {"blk.1.attn_q": Q.Q5_K, "blk.1.attn_k": Q.Q5_K, "blk.1.ffn_gate": Q.Q5_0, "blk.1.ffn_up": Q.Q5_1,
+            "blk.0.attn_output": Q.F16}.get(name.rsplit(".", 1)[0], Q.Q4_K)
+
+
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory):
     pytest.importorskip("transformers")
@@ -132,7 +162,7 @@ def gguf_files(tmp_path_factory):
     from gguf_writer_util import spm_vocab, write_llama_gguf
 
     out = {}
-    for name, qtype, tied in (("mixed-tied", _mixed, True), ("q4_1", Q.Q4_1, False), ("q4_k", Q.Q4_K, True)):
+    for name, qtype, tied in (("mixed-tied", _mixed, True), ("q4_1", Q.Q4_1, False), ("k-mixed", _k_mixed, False)):
         torch.manual_seed(0)
         hf = LlamaForCausalLM(LlamaConfig(vocab_size=len(spm_vocab()[0]), tie_word_embeddings=tied, **TINY)).eval()
         path = tmp_path_factory.mktemp("gguf") / f"tiny-{name}.gguf"
@@ -146,16 +176,22 @@ def _engine(path: str, **kw) -> LLMEngine:
                                   block_size=4, max_num_batched_tokens=16, **kw))
 
 
-@pytest.mark.parametrize("name", ["mixed-tied", "q4_1"])
+@pytest.mark.parametrize("name", ["mixed-tied", "q4_1", "k-mixed"])
 def test_an_engine_serves_a_gguf_from_its_blocks_as_from_dequantized_weights(kernel, gguf_files, name):
     blocks = _engine(gguf_files[name])                  # auto: blocks, on an fp32 CPU with the kernels
     dense = _engine(gguf_files[name], gguf_weights="dequantize")
     assert blocks.gguf_blocks and not dense.gguf_blocks
     kinds = {type(m).__name__ for m in blocks.model.modules()}
-    assert {"BlockLinear", "BlockEmbedding"} <= kinds and "Linear" not in kinds
+    layers = blocks.model.model.layers
+    assert {"BlockLinear", "BlockEmbedding"} <= kinds
+    if name == "k-mixed":           # F16 is dequantized at load: layer 0's o_proj alone is a dense Linear
+        linears = [m for m in blocks.model.modules() if type(m).__name__ == "Linear"]
+        assert linears == [layers[0].self_attn.o_proj]
+        assert layers[1].mlp.gate_proj.qtype == "Q5_0" and blocks.model.lm_head.qtype == "Q6_K"
+    else:
+        assert "Linear" not in kinds
     if name == "mixed-tied":        # layer 1's v is Q8_0 beside Q4_1 q and k: its q/k/v stay apart
-        attn = blocks.model.model.layers
-        assert attn[0].self_attn.qkv_proj is not None and attn[1].self_attn.qkv_proj is None
+        assert layers[0].self_attn.qkv_proj is not None and layers[1].self_attn.qkv_proj is None
         assert blocks.model.lm_head.blocks is blocks.model.model.embed_tokens.blocks
     assert weight_bytes(blocks.model) < weight_bytes(dense.model) / 4
     vocab = blocks.model_config.vocab_size
@@ -167,13 +203,6 @@ def test_an_engine_serves_a_gguf_from_its_blocks_as_from_dequantized_weights(ker
     with torch.inference_mode():
         ids = torch.tensor([prompts[2]])
         _close(blocks.model.forward_dense(ids), dense.model.forward_dense(ids))
-
-
-def test_other_tensor_types_are_dequantized_at_load(kernel, gguf_files):
-    eng = _engine(gguf_files["q4_k"])
-    assert eng.gguf_blocks and not any(isinstance(m, (BlockLinear, BlockEmbedding)) for m in eng.model.modules())
-    assert len(eng.generate([[1, 5, 9]], __import__("sits.engine.sampling_params", fromlist=["x"]).SamplingParams(
-        max_tokens=3, temperature=0.0, ignore_eos=True))[0]["token_ids"]) == 3
 
 
 def test_blocks_serve_only_fp32_on_a_cpu(kernel, gguf_files, tiny_model_dir):
@@ -237,3 +266,48 @@ def test_biased_projections_keep_their_biases_in_blocks_and_qwen2_rows_stay_unpe
         assert (got - want).abs().max().item() <= 1e-4, mode
         out = greedy_mixed(eng, [ids[0].tolist()], 6)[0]
         assert out == dense_greedy(eng, ids[0].tolist(), 6)
+
+
+_PORTABLE_BINDING = """
+#include <torch/extension.h>
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t in_features,
+                           c10::optional<torch::Tensor> bias);
+torch::Tensor block_dequantize(torch::Tensor blocks, int64_t qtype, int64_t in_features,
+                               c10::optional<torch::Tensor> out);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("block_linear", &block_linear, py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("in_features"),
+        py::arg("bias") = py::none());
+  m.def("block_dequantize", &block_dequantize, py::arg("blocks"), py::arg("qtype"), py::arg("in_features"),
+        py::arg("out") = py::none());
+}
+"""
+
+
+@pytest.mark.slow
+def test_the_portable_build_expands_every_type_as_gguf_does(tmp_path):
+    """A CPU without AVX2 (an ARM Mac, an old x86) takes the kernels' portable branch: built here for
+    plain x86-64, it must expand and multiply every block type as the AVX2 build does."""
+    import os
+    import platform
+    import sys
+
+    from torch.utils import cpp_extension
+
+    from sits.engine.layers.cpu_kernels import CSRC
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("builds the portable branch with -march=x86-64")
+    (tmp_path / "binding.cpp").write_text(_PORTABLE_BINDING)
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    portable = cpp_extension.load(
+        name="sits_block_quant_portable", sources=[str(tmp_path / "binding.cpp"), str(CSRC / "block_quant_cpu.cpp")],
+        extra_cflags=["-O2", "-march=x86-64", "-fopenmp", f"-I{CSRC}"], extra_ldflags=["-fopenmp"],
+        build_directory=str(tmp_path), verbose=False)
+    for qtype in TYPES:
+        cols = _cols(qtype, 6)
+        bw, w = _blocks(qtype, 67, cols, seed=int(qtype))
+        type_id = BLOCK_TYPES[qtype.name][0]
+        assert torch.equal(portable.block_dequantize(bw.blocks, type_id, cols), w), qtype.name
+        for rows in (1, 5, 17):
+            x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+            _close(portable.block_linear(x, bw.blocks, type_id, cols), x @ w.T)

@@ -9,7 +9,7 @@ the whole step). The engine runs once per path available on the device, in the s
   (``attention="cpp"``), the rest by torch;
 - ``cpp`` (CPU): every C++ kernel the dtype allows, the few-row matmuls and the norms and RoPE too for
   fp32 (``linear`` and ``elementwise`` "auto": what an engine takes by default for a safetensors model);
-- ``cpp_blocks`` (CPU, a GGUF file in fp32): ``cpp`` with the file's Q4_0/Q4_1/Q8_0 weights served as
+- ``cpp_blocks`` (CPU, a GGUF file in fp32): ``cpp`` with the file's block-quantized weights served as
   their blocks (``gguf_weights="blocks"``: what an engine takes by default for such a file; the other
   paths dequantize it at load);
 - ``paged``: the paged Triton kernels, eager;

@@ -225,7 +225,7 @@ def resolve_cpu_kernel(knob: str, name: str, device: torch.device, dtype: torch.
 
 def resolve_gguf_blocks(name: str, model: str, device: torch.device, dtype: torch.dtype,
                         quantization: str | None) -> bool:
-    """Whether a GGUF model's Q4_0/Q4_1/Q8_0 weights serve as their blocks (``EngineConfig.gguf_weights``):
+    """Whether a GGUF model's block-quantized weights (``block_quant.BLOCK_TYPES``) serve as their blocks (``EngineConfig.gguf_weights``):
     ``auto`` takes them for an fp32 engine on a CPU where the kernels are built (never compiling them)
     and no load-time quantization is asked; ``blocks`` builds the kernels if needed and refuses what
     cannot serve them; a model that is not a GGUF file has none."""
@@ -297,7 +297,7 @@ class EngineConfig:
     attention: str = "auto"              # "torch" (reference), "triton" (paged kernels), "cpp" (CPU decode
                                          # kernel); auto: triton on CUDA, cpp on a CPU where it is built
     decode_graphs: bool = True           # with triton attention: decode steps replayed from CUDA graphs
-    gguf_weights: str = "auto"           # a GGUF's Q4_0/Q4_1/Q8_0 weights: "blocks" (kept as the file's blocks,
+    gguf_weights: str = "auto"           # a GGUF's block-quantized weights: "blocks" (kept as the file's blocks,
                                          # multiplied in place by the C++ CPU kernels; fp32 on a CPU) or
                                          # "dequantize" (to the compute dtype at load); auto: blocks where usable
 

@@ -1,8 +1,9 @@
 """A GGUF file (llama.cpp's format, what Ollama and LM Studio keep on disk) as a model source.
 
 Everything the engine needs comes from the one file: the config from its ``llama.*`` metadata, the
-weights dequantized at load (F32, F16, BF16, Q8_0, Q4_0, Q4_1 and the K-quants the ``gguf`` package
-can dequantize), or for Q8_0, Q4_0 and Q4_1 kept as the file's blocks (``layers.block_quant``), with
+weights dequantized at load (F32, F16, BF16 and every quantized type the ``gguf`` package can
+dequantize), or for the types of ``block_quant.BLOCK_TYPES`` (Q4_0 to Q8_0, Q4_K, Q5_K, Q6_K) kept as
+the file's blocks (``layers.block_quant``), with
 llama.cpp's Q/K row permutation undone, and the tokenizer rebuilt from its
 ``tokenizer.ggml.*`` metadata: GPT-2 style BPE (``gpt2``) or SentencePiece (``llama``: Llama-2,
 Mistral, TinyLlama). The tokenizer follows the file and llama.cpp's rules, not transformers' GGUF
@@ -138,8 +139,8 @@ class GGUFModel:
     def state_dict(self, dtype: torch.dtype, keep_blocks: bool = False) -> dict[str, Any]:
         """HF-named tensors, dequantized and cast to ``dtype``, Q/K rows back in HF's order (llama.cpp
         permutes them for its ``llama`` architecture only: a ``qwen2`` file keeps HF's rotate-half rows). With
-        ``keep_blocks``, the 2-D weights of the types the CPU kernels multiply in place (Q4_0, Q4_1,
-        Q8_0) come as ``BlockWeight``s instead: the file's blocks (views of its map where no row is
+        ``keep_blocks``, the 2-D weights of the types the CPU kernels multiply in place (``BLOCK_TYPES``)
+        come as ``BlockWeight``s instead: the file's blocks (views of its map where no row is
         moved), their rows un-permuted as whole rows of blocks."""
         from gguf.quants import dequantize
 

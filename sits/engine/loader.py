@@ -165,7 +165,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
                max_positions: int, gguf_blocks: bool = False) -> LlamaForCausalLM:
     """Build the module (uninitialised parameters: untouched pages, no random init) and assign the
     mapped weights to it. Not on the meta device: its dispatch imports torch's compiler (seconds).
-    ``gguf_blocks``: a GGUF's Q4_0/Q4_1/Q8_0 weights stay blocks (``layers.block_quant``; fp32 CPU
+    ``gguf_blocks``: a GGUF's block-quantized weights (``BLOCK_TYPES``) stay blocks (``layers.block_quant``; fp32 CPU
     only), their modules swapped for ``BlockLinear``/``BlockEmbedding``."""
     model = LlamaForCausalLM(cfg, max_positions=max_positions)
     gguf = open_gguf(model_dir)

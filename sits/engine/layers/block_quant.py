@@ -1,12 +1,13 @@
-"""A GGUF's block-quantized weights (Q4_0, Q4_1, Q8_0) served as the file holds them, on a CPU.
+"""A GGUF's block-quantized weights served as the file holds them, on a CPU.
 
 A decode step reads every weight once, so on a CPU its time is the weights' bytes over the memory
-bandwidth. Dequantized at load, a GGUF's Q4_1 projections become fp32, 32 bits a value where the file
-spends 5. Kept as blocks (32 values: an fp16 scale, for Q4_1 an fp16 minimum, then the quants), they
-are read as they are and expanded on the fly by the C++ kernels of ``cpu_kernels``:
+bandwidth. Dequantized at load, a GGUF's Q4_K projections become fp32, 32 bits a value where the file
+spends 4.5. Kept as blocks (``BLOCK_TYPES``: the 32-value Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and the K-quants
+Q4_K, Q5_K, Q6_K of 256-value super-blocks that the common Q4_K_M/Q5_K_M files are made of), they are
+read as they are and expanded on the fly by the C++ kernels of ``cpu_kernels``:
 
-- up to ``KERNEL_MAX_ROWS`` activation rows (decode): ``block_linear`` expands each block in registers
-  and uses it for every row at once (per block ``d * sum(q x) + m * sum(x)``);
+- up to ``KERNEL_MAX_ROWS`` activation rows (decode): ``block_linear`` expands each 32 values in
+  registers and uses them for every row at once (per group ``scale * sum(q x) + min * sum(x)``);
 - more rows (prefill): the weight is expanded ``DEQUANT_SLICE_VALUES`` values at a time to fp32, into a
   buffer reused across layers (it stays in the last-level cache), and multiplied by torch's matmul,
   which at many rows is faster than any loop over blocks;
@@ -15,8 +16,8 @@ are read as they are and expanded on the fly by the C++ kernels of ``cpu_kernels
 Expanded values are exactly gguf's own dequantization's; sums run in another order than the BLAS's,
 so outputs agree with the dequantized model's to rounding, not bit for bit. fp32 only (the kernels'
 dtype), and only without autograd for the kernel path. ``EngineConfig.gguf_weights`` chooses (``auto``:
-blocks for an fp32 CPU engine where the kernels are built); other tensor types (K-quants, F16)
-are dequantized at load as before.
+blocks for an fp32 CPU engine where the kernels are built); other tensor types (F16, BF16, Q2_K, Q3_K,
+the IQ types) are dequantized at load as before.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from torch import nn
 
 from sits.engine.layers import cpu_kernels
 
-# the tensor types the kernels multiply in place: ggml's type id and the bytes of a 32-value block
-BLOCK_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
-BLOCK_VALUES = 32
+# the tensor types the kernels multiply in place: ggml's type id, the values of a block, its bytes
+BLOCK_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24),
+               "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
 KERNEL_MAX_ROWS = 32                # above it, expanded slices and torch's matmul (measured: docs/benchmarks.md)
 DEQUANT_SLICE_VALUES = 1 << 21      # a prefill expands the weight this many values at a time (8 MB of fp32)
 
@@ -43,14 +44,15 @@ class BlockWeight:
     blocks. ``blocks`` may be a read-only view of the file's memory map: never written to."""
 
     qtype: str                      # a key of BLOCK_TYPES
-    blocks: torch.Tensor            # uint8 [out, in / 32 * block bytes]
+    blocks: torch.Tensor            # uint8 [out, in / block values * block bytes]
     in_features: int
 
     def __post_init__(self):
         if self.qtype not in BLOCK_TYPES:
             raise ValueError(f"{self.qtype} blocks are not multiplied in place (only {', '.join(BLOCK_TYPES)})")
-        want = self.in_features // BLOCK_VALUES * BLOCK_TYPES[self.qtype][1]
-        if (self.in_features % BLOCK_VALUES or self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2
+        _, values, size = BLOCK_TYPES[self.qtype]
+        want = self.in_features // values * size
+        if (self.in_features % values or self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2
                 or self.blocks.shape[1] != want):
             raise ValueError(f"{self.qtype} blocks of shape {tuple(self.blocks.shape)} do not hold rows of "
                              f"{self.in_features} values")

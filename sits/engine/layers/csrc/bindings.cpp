@@ -24,10 +24,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("block_linear", &block_linear,
-        "x @ W.T (+ bias) for fp32 rows, W as GGUF blocks (Q4_0, Q4_1, Q8_0) expanded a tile at a time",
+        "x @ W.T (+ bias) for fp32 rows, W as GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)",
         py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("in_features"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());
-  m.def("block_dequantize", &block_dequantize, "GGUF blocks (Q4_0, Q4_1, Q8_0) as an fp32 [out, in] weight",
+  m.def("block_dequantize", &block_dequantize, "GGUF blocks (a type block_linear takes) as an fp32 [out, in] weight",
         py::arg("blocks"), py::arg("qtype"), py::arg("in_features"), py::arg("out") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("lora_add", &lora_add, "y[m] += B[s] @ (A[s] @ x[m]) for each row m and its adapter slot s (-1: none), fp32",

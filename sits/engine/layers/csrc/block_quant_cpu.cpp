@@ -1,11 +1,12 @@
-// GGUF's block-quantized weights (Q8_0, Q4_0, Q4_1) multiplied where they lie, on a CPU (see
-// layers/block_quant.py).
+// GGUF's block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K)
+// multiplied where they lie, on a CPU (see layers/block_quant.py).
 //
 // A decode step reads every weight once per step, so its time is the weights' bytes over the memory
-// bandwidth: a Q4_1 weight is 5 bits a value where its dequantized fp32 copy is 32. Here the blocks
-// are read as they are in the file and expanded to fp32 a tile of rows at a time into a buffer that
-// stays in L1, which the few-row loop of few_rows.h then multiplies by every activation row. Values
-// are expanded as gguf's own dequantization expands them (d * q, or d * q + m).
+// bandwidth: a Q4_K weight is 4.5 bits a value where its dequantized fp32 copy is 32. Here the blocks
+// are read as they are in the file. Every type is taken 32 values (a "group") at a time: a whole
+// block of the 32-value types, a sub-block of a K-quant's 256-value super-block. A group is its
+// quants as integers and value = scale * q + min, with one scale for the group (two for Q6_K, whose
+// sub-blocks are 16 values). Values are expanded as gguf's own dequantization expands them.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -17,27 +18,54 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "few_rows.h"
 
 namespace {
 
-// ggml's type ids, and the bytes of one block of 32 values
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
-constexpr int64_t kBlock = 32;
-// up to kInRegistersMaxRows activation rows, each block is expanded in registers once per group of
+// ggml's type ids
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+constexpr int64_t kGroup = 32;
+// up to kInRegistersMaxRows activation rows, each group is expanded in registers once per
 // kRowsInRegisters rows (an accumulator each; groups of 8 measured no faster); above it a tile is
 // expanded once into a buffer for all rows
 constexpr int64_t kInRegistersMaxRows = 16;
 constexpr int64_t kRowsInRegisters = 4;
 
-int64_t block_bytes(int64_t qtype) {
+struct BlockType {
+  int64_t values, bytes;
+  bool has_min;       // value = scale * q + min with a min of its own (a row's sums per group are needed)
+};
+
+constexpr BlockType block_type(int64_t qtype) {
   switch (qtype) {
-    case kQ4_0: return 18;   // d (f16), 16 bytes of 4-bit quants
-    case kQ4_1: return 20;   // d, m (f16), 16 bytes of 4-bit quants
-    case kQ8_0: return 34;   // d (f16), 32 int8 quants
-    default: return 0;
+    case kQ4_0: return {32, 18, false};    // d (f16), 16 bytes of 4-bit quants (q - 8)
+    case kQ4_1: return {32, 20, true};     // d, m (f16), 16 bytes of 4-bit quants
+    case kQ5_0: return {32, 22, false};    // d, 4 bytes of fifth bits, 16 bytes of 4-bit quants (q - 16)
+    case kQ5_1: return {32, 24, true};     // d, m, fifth bits, 4-bit quants
+    case kQ8_0: return {32, 34, false};    // d, 32 int8 quants
+    case kQ4_K: return {256, 144, true};   // d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 of quants
+    case kQ5_K: return {256, 176, true};   // as Q4_K, with 32 bytes of fifth bits before the quants
+    case kQ6_K: return {256, 210, false};  // 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, d
+    default: return {0, 0, false};
+  }
+}
+
+// f(std::integral_constant<int64_t, QT>{}) for a known type id
+template <typename F>
+void with_type(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case kQ4_0: f(std::integral_constant<int64_t, kQ4_0>{}); break;
+    case kQ4_1: f(std::integral_constant<int64_t, kQ4_1>{}); break;
+    case kQ5_0: f(std::integral_constant<int64_t, kQ5_0>{}); break;
+    case kQ5_1: f(std::integral_constant<int64_t, kQ5_1>{}); break;
+    case kQ8_0: f(std::integral_constant<int64_t, kQ8_0>{}); break;
+    case kQ4_K: f(std::integral_constant<int64_t, kQ4_K>{}); break;
+    case kQ5_K: f(std::integral_constant<int64_t, kQ5_K>{}); break;
+    case kQ6_K: f(std::integral_constant<int64_t, kQ6_K>{}); break;
+    default: TORCH_CHECK(false, "unknown block type ", qtype);
   }
 }
 
@@ -51,44 +79,129 @@ inline float half_at(const uint8_t* p) {
 #endif
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// One block's 32 quants as floats in four 8-lane registers (quants 8j .. 8j + 7 in q[j]); Q4_0's
-// offset of 8 is taken off before the conversion, so Q8_0 and Q4_0 values are d * q[j] and Q4_1's
-// d * q[j] + m.
-template <int64_t QT>
-inline void block_quants(const uint8_t* b, __m256 q[4]) {
-  if constexpr (QT == kQ8_0) {
-    const int8_t* p = reinterpret_cast<const int8_t*>(b + 2);
-    for (int j = 0; j < 4; ++j)
-      q[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * j))));
+// A K-quant's 6-bit scale and min of sub-block g (ggml's get_scale_min_k4)
+inline void k_scale_min(const uint8_t* s, int g, int& sc, int& m) {
+  if (g < 4) {
+    sc = s[g] & 63;
+    m = s[g + 4] & 63;
   } else {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (QT == kQ4_1 ? 4 : 2)));
-    const __m128i nibble = _mm_set1_epi8(15);
-    __m128i lo = _mm_and_si128(packed, nibble), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
-    if constexpr (QT == kQ4_0) {
-      lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
-      hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
-      q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-      q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-      q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-      q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
-    } else {
-      q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-      q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-      q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-      q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    sc = (s[g + 4] & 0xF) | ((s[g - 4] >> 6) << 4);
+    m = (s[g + 4] >> 4) | ((s[g] >> 6) << 4);
+  }
+}
+
+// Group g of the block at b: value = scale[0] * q + min for its first 16 values, scale[1] for the
+// last 16 (they differ for Q6_K only); each a product as gguf forms it (its d times the sub-scale)
+struct GroupScale {
+  float scale[2];
+  float min;
+};
+
+template <int64_t QT>
+inline GroupScale group_scale(const uint8_t* b, int g) {
+  if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    int sc, m;
+    k_scale_min(b + 4, g, sc, m);
+    const float s = half_at(b) * static_cast<float>(sc);
+    return {{s, s}, -(half_at(b + 2) * static_cast<float>(m))};
+  } else if constexpr (QT == kQ6_K) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half_at(b + 208);
+    return {{d * static_cast<float>(sc[2 * g]), d * static_cast<float>(sc[2 * g + 1])}, 0.f};
+  } else {
+    const float d = half_at(b);
+    return {{d, d}, block_type(QT).has_min ? half_at(b + 2) : 0.f};
+  }
+}
+
+// Group g's 32 quants as integers, offsets taken off (Q4_0: q - 8, Q5_0: q - 16, Q6_K: q - 32)
+template <int64_t QT>
+inline void group_ints(const uint8_t* b, int g, int q[kGroup]) {
+  if constexpr (QT == kQ8_0) {
+    for (int l = 0; l < 32; ++l) q[l] = static_cast<int8_t>(b[2 + l]);
+  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    const uint8_t* qs = b + (QT == kQ4_K ? 16 : 48) + 32 * (g / 2);
+    for (int l = 0; l < 32; ++l) {
+      q[l] = (g % 2 ? qs[l] >> 4 : qs[l] & 15);
+      if constexpr (QT == kQ5_K) q[l] |= ((b[16 + l] >> g) & 1) << 4;
+    }
+  } else if constexpr (QT == kQ6_K) {
+    const int h = g / 4, k = g % 4;
+    const uint8_t *ql = b + 64 * h + 32 * (k & 1), *qh = b + 128 + 32 * h;
+    for (int l = 0; l < 32; ++l) q[l] = (((ql[l] >> (4 * (k >> 1))) & 15) | (((qh[l] >> (2 * k)) & 3) << 4)) - 32;
+  } else {      // Q4_0, Q4_1, Q5_0, Q5_1: byte l holds value l in its low nibble, value l + 16 in its high one
+    constexpr bool five = QT == kQ5_0 || QT == kQ5_1;
+    const uint8_t* qs = b + (block_type(QT).has_min ? 4 : 2) + (five ? 4 : 0);
+    uint32_t qh = 0;
+    if constexpr (five) std::memcpy(&qh, qs - 4, 4);
+    const int offset = QT == kQ4_0 ? 8 : QT == kQ5_0 ? 16 : 0;
+    for (int l = 0; l < 16; ++l) {
+      q[l] = ((qs[l] & 15) | (five ? ((qh >> l) & 1) << 4 : 0)) - offset;
+      q[l + 16] = ((qs[l] >> 4) | (five ? ((qh >> (l + 16)) & 1) << 4 : 0)) - offset;
     }
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The 32 bytes' bits of ``x`` (4 bytes, little-endian) as 0x10 where set: the fifth bits of Q5_0/Q5_1
+inline __m256i fifth_bits(const uint8_t* x) {
+  uint32_t x32;
+  std::memcpy(&x32, x, 4);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x32)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// 32 bytes shifted right by ``bits`` each, their low ``mask`` bits kept
+inline __m256i byte_bits(__m256i v, int bits, int mask) {
+  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(bits)), _mm256_set1_epi8(static_cast<char>(mask)));
+}
+
+// Group g's 32 quants as floats in four 8-lane registers (values 8j .. 8j + 7 in q[j]), as group_ints
+template <int64_t QT>
+inline void group_quants(const uint8_t* b, int g, __m256 q[4]) {
+  __m256i v;      // the 32 quants as int8, in order
+  if constexpr (QT == kQ8_0) {
+    v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (QT == kQ4_K ? 16 : 48) + 32 * (g / 2)));
+    v = byte_bits(qs, 4 * (g % 2), 15);
+    if constexpr (QT == kQ5_K)
+      v = _mm256_or_si256(v, _mm256_slli_epi16(byte_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)), g, 1), 4));
+  } else if constexpr (QT == kQ6_K) {
+    const int h = g / 4, k = g % 4;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (k & 1)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    v = _mm256_or_si256(byte_bits(ql, 4 * (k >> 1), 15), _mm256_slli_epi16(byte_bits(qh, 2 * k, 3), 4));
+    v = _mm256_sub_epi8(v, _mm256_set1_epi8(32));
+  } else {
+    constexpr bool five = QT == kQ5_0 || QT == kQ5_1;
+    const uint8_t* qs = b + (block_type(QT).has_min ? 4 : 2) + (five ? 4 : 0);
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i nibble = _mm_set1_epi8(15);
+    v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble), _mm_and_si128(packed, nibble));
+    if constexpr (five) v = _mm256_or_si256(v, fifth_bits(qs - 4));
+    if constexpr (QT == kQ4_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(8));
+    if constexpr (QT == kQ5_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+  }
+  const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+  q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+  q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+}
+
 // y[r, n] = x[r, :] . W[n, :] for R (1 to 4) activation rows and weight rows [n0, n1), with no
-// buffer: per block, sum_i (d q_i + m) x_i is taken as d * (sum_i q_i x_i) + m * (sum_i x_i), the
-// quants' products summed in a register and scaled once, the x sums (``sx``: [R, K / 32], Q4_1 only)
-// computed once per call.
+// buffer: per group, sum_i (s q_i + m) x_i is taken as s * (sum_i q_i x_i) + m * (sum_i x_i), the
+// quants' products summed in a register and scaled once, the x sums (``sx``: [R, K / 32], for types
+// with a min only) computed once per call.
 template <int64_t QT, int R>
 void rows_times_blocks(const float* x, const float* sx, int64_t K, const uint8_t* blocks, int64_t row_bytes,
                        float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  const int64_t bytes = block_bytes(QT), nb = K / kBlock;
+  constexpr BlockType T = block_type(QT);
+  constexpr int groups = T.values / kGroup;
+  const int64_t nb = K / T.values, ng = K / kGroup;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* b = blocks + n * row_bytes;
     __m256 acc[R];
@@ -97,19 +210,26 @@ void rows_times_blocks(const float* x, const float* sx, int64_t K, const uint8_t
       acc[r] = _mm256_setzero_ps();
       mins[r] = 0.f;
     }
-    for (int64_t i = 0; i < nb; ++i, b += bytes) {
-      __m256 q[4];
-      block_quants<QT>(b, q);
-      const __m256 vd = _mm256_set1_ps(half_at(b));
-      const float m = QT == kQ4_1 ? half_at(b + 2) : 0.f;
-      for (int r = 0; r < R; ++r) {
-        const float* xr = x + r * K + i * kBlock;
-        __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(xr));
-        t = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xr + 8), t);
-        t = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xr + 16), t);
-        t = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xr + 24), t);
-        acc[r] = _mm256_fmadd_ps(t, vd, acc[r]);
-        if constexpr (QT == kQ4_1) mins[r] += m * sx[r * nb + i];
+    for (int64_t i = 0; i < nb; ++i, b += T.bytes) {
+      for (int g = 0; g < groups; ++g) {
+        __m256 q[4];
+        group_quants<QT>(b, g, q);
+        const GroupScale s = group_scale<QT>(b, g);
+        const int64_t at = i * groups + g;
+        for (int r = 0; r < R; ++r) {
+          const float* xr = x + r * K + at * kGroup;
+          __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(xr));
+          t = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xr + 8), t);
+          if constexpr (QT == kQ6_K) {       // the group's halves have scales of their own
+            acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(s.scale[0]), acc[r]);
+            t = _mm256_mul_ps(q[2], _mm256_loadu_ps(xr + 16));
+          } else {
+            t = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xr + 16), t);
+          }
+          t = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xr + 24), t);
+          acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(s.scale[1]), acc[r]);
+          if constexpr (T.has_min) mins[r] += s.min * sx[r * ng + at];
+        }
       }
     }
     for (int r = 0; r < R; ++r) y[r * ldy + n] = few_rows::hsum(acc[r]) + mins[r];
@@ -119,10 +239,10 @@ void rows_times_blocks(const float* x, const float* sx, int64_t K, const uint8_t
 template <int64_t QT>
 void few_rows_times_blocks(const float* x, const float* sx, int64_t M, int64_t K, const uint8_t* blocks,
                            int64_t row_bytes, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  const int64_t nb = K / kBlock;
+  const int64_t ng = K / kGroup;
   for (int64_t r = 0; r < M; r += kRowsInRegisters) {
     const float* xr = x + r * K;
-    const float* sr = sx + r * nb;
+    const float* sr = sx + r * ng;
     float* yr = y + r * ldy;
     switch (std::min<int64_t>(kRowsInRegisters, M - r)) {
       case 1: rows_times_blocks<QT, 1>(xr, sr, K, blocks, row_bytes, yr, ldy, n0, n1); break;
@@ -134,56 +254,43 @@ void few_rows_times_blocks(const float* x, const float* sx, int64_t M, int64_t K
 }
 #endif
 
-// one row of K values from its K / 32 blocks
-void dequantize_row(int64_t qtype, const uint8_t* b, float* y, int64_t K) {
-  const int64_t bytes = block_bytes(qtype);
-  for (int64_t i = 0; i < K; i += kBlock, b += bytes, y += kBlock) {
-    const float d = half_at(b);
-    if (qtype == kQ8_0) {
-      const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
-#if defined(__AVX2__)
-      const __m256 vd = _mm256_set1_ps(d);
-      for (int j = 0; j < kBlock; j += 8) {
-        const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j)));
-        _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_cvtepi32_ps(v), vd));
+// one row of K values from its blocks: scale * q (+ min), a product and a sum as gguf rounds them
+template <int64_t QT>
+void dequantize_row(const uint8_t* b, float* y, int64_t K) {
+  constexpr BlockType T = block_type(QT);
+  constexpr int groups = T.values / kGroup;
+  for (int64_t i = 0; i < K; i += T.values, b += T.bytes) {
+    for (int g = 0; g < groups; ++g, y += kGroup) {
+      const GroupScale s = group_scale<QT>(b, g);
+#if defined(__AVX2__) && defined(__FMA__)
+      __m256 q[4];
+      group_quants<QT>(b, g, q);
+      for (int j = 0; j < 4; ++j) {
+        __m256 v = _mm256_mul_ps(q[j], _mm256_set1_ps(s.scale[j / 2]));
+        if constexpr (T.has_min) v = _mm256_add_ps(v, _mm256_set1_ps(s.min));
+        _mm256_storeu_ps(y + 8 * j, v);
       }
 #else
-      for (int j = 0; j < kBlock; ++j) y[j] = static_cast<float>(q[j]) * d;
+      int q[kGroup];
+      group_ints<QT>(b, g, q);
+      for (int l = 0; l < kGroup; ++l) {
+        const float v = s.scale[l / 16] * static_cast<float>(q[l]);
+        y[l] = T.has_min ? v + s.min : v;
+      }
 #endif
-      continue;
     }
-    // Q4_0 and Q4_1: byte j holds value j in its low nibble, value j + 16 in its high one
-    const bool with_min = qtype == kQ4_1;
-    const float m = with_min ? half_at(b + 2) : 0.f;
-    const uint8_t* q = b + (with_min ? 4 : 2);
-#if defined(__AVX2__)
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    const __m128i nibble = _mm_set1_epi8(15);
-    const __m128i lo = _mm_and_si128(packed, nibble), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
-    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m), eight = _mm256_set1_ps(8.f);
-    for (int j = 0; j < 4; ++j) {
-      const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j]));
-      _mm256_storeu_ps(y + 8 * j, with_min ? _mm256_add_ps(_mm256_mul_ps(f, vd), vm)
-                                           : _mm256_mul_ps(_mm256_sub_ps(f, eight), vd));
-    }
-#else
-    for (int j = 0; j < 16; ++j) {
-      const float l = static_cast<float>(q[j] & 15), h = static_cast<float>(q[j] >> 4);
-      y[j] = with_min ? l * d + m : (l - 8.f) * d;
-      y[j + 16] = with_min ? h * d + m : (h - 8.f) * d;
-    }
-#endif
   }
 }
 
 int64_t check_blocks(const torch::Tensor& blocks, int64_t qtype, int64_t K) {
-  TORCH_CHECK(block_bytes(qtype) > 0, "unknown block type ", qtype, " (Q4_0, Q4_1 and Q8_0 are: 2, 3, 8)");
-  TORCH_CHECK(K > 0 && K % kBlock == 0, "in_features must be a multiple of 32, got ", K);
+  const BlockType T = block_type(qtype);
+  TORCH_CHECK(T.values > 0, "unknown block type ", qtype,
+              " (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K are: 2, 3, 6, 7, 8, 12, 13, 14)");
+  TORCH_CHECK(K > 0 && K % T.values == 0, "in_features must be a multiple of ", T.values, ", got ", K);
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
                   blocks.is_contiguous(), "blocks must be a contiguous uint8 [out, bytes per row] CPU tensor");
-  TORCH_CHECK(blocks.size(1) == K / kBlock * block_bytes(qtype), "a row of blocks must be ",
-              K / kBlock * block_bytes(qtype), " bytes for ", K, " values, got ", blocks.size(1));
+  TORCH_CHECK(blocks.size(1) == K / T.values * T.bytes, "a row of blocks must be ", K / T.values * T.bytes,
+              " bytes for ", K, " values, got ", blocks.size(1));
   return blocks.size(1);
 }
 
@@ -204,14 +311,17 @@ torch::Tensor block_dequantize(torch::Tensor blocks, int64_t qtype, int64_t in_f
   }
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* wp = w.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) dequantize_row(qtype, bp + n * row_bytes, wp + n * K, K);
+  with_type(qtype, [&](auto qt) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) dequantize_row<decltype(qt)::value>(bp + n * row_bytes, wp + n * K, K);
+    });
   });
   return w;
 }
 
-// x @ W.T (+ bias), W given as its blocks: the weight's rows split across the threads, each thread
-// expanding a tile of about 16 KB of rows at a time and multiplying every activation row by it.
+// x @ W.T (+ bias), W given as its blocks: the weight's rows split across the threads. Up to
+// kInRegistersMaxRows rows each group is expanded in registers; above, each thread expands a tile of
+// about 16 KB of rows at a time and multiplies every activation row by it.
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t in_features,
                            c10::optional<torch::Tensor> bias) {
   const int64_t row_bytes = check_blocks(blocks, qtype, in_features), N = blocks.size(0), K = in_features;
@@ -221,34 +331,33 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype,
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* yp = io.y.data_ptr<float>();
 #if defined(__AVX2__) && defined(__FMA__)
-  if (M <= kInRegistersMaxRows) {     // a block's values used straight from registers
-    const int64_t nb = K / kBlock;
-    const int64_t sums = qtype == kQ4_1 ? M * nb : 0;      // only Q4_1 has a minimum to multiply
+  if (M <= kInRegistersMaxRows) {
+    const int64_t sums = block_type(qtype).has_min ? M * (K / kGroup) : 0;   // each row's sum per group
     std::vector<float> sx(std::max<int64_t>(sums, 1));
     for (int64_t i = 0; i < sums; ++i) {
       float s = 0.f;
-      for (int64_t j = 0; j < kBlock; ++j) s += xp[i * kBlock + j];
+      for (int64_t j = 0; j < kGroup; ++j) s += xp[i * kGroup + j];
       sx[i] = s;
     }
-    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-      switch (qtype) {
-        case kQ4_0: few_rows_times_blocks<kQ4_0>(xp, sx.data(), M, K, bp, row_bytes, yp, N, n0, n1); break;
-        case kQ4_1: few_rows_times_blocks<kQ4_1>(xp, sx.data(), M, K, bp, row_bytes, yp, N, n0, n1); break;
-        default: few_rows_times_blocks<kQ8_0>(xp, sx.data(), M, K, bp, row_bytes, yp, N, n0, n1); break;
-      }
+    with_type(qtype, [&](auto qt) {
+      at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+        few_rows_times_blocks<decltype(qt)::value>(xp, sx.data(), M, K, bp, row_bytes, yp, N, n0, n1);
+      });
     });
     return few_rows::finish(io.y, bias, io.shape);
   }
 #endif
-  // more rows: a tile of rows expanded into an L1 buffer once, then multiplied by every row
   const int64_t tile = std::max<int64_t>(1, few_rows::kTileFloats / K);
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    std::vector<float> buf(tile * K);
-    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-      const int64_t t1 = std::min(n1, t0 + tile);
-      for (int64_t n = t0; n < t1; ++n) dequantize_row(qtype, bp + n * row_bytes, buf.data() + (n - t0) * K, K);
-      few_rows::rows_times_weight_all(xp, M, buf.data(), K, yp + t0, N, 0, t1 - t0);
-    }
+  with_type(qtype, [&](auto qt) {
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      std::vector<float> buf(tile * K);
+      for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+        const int64_t t1 = std::min(n1, t0 + tile);
+        for (int64_t n = t0; n < t1; ++n)
+          dequantize_row<decltype(qt)::value>(bp + n * row_bytes, buf.data() + (n - t0) * K, K);
+        few_rows::rows_times_weight_all(xp, M, buf.data(), K, yp + t0, N, 0, t1 - t0);
+      }
+    });
   });
   return few_rows::finish(io.y, bias, io.shape);
 }
