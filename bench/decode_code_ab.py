@@ -2,10 +2,10 @@
 (order reversed every round), medians of 3 rounds (or ROUNDS): old vs new code in the same run.
 
     git worktree add /tmp/old HEAD~1
-    .venv/bin/python bench/decode_code_ab.py MODEL_DIR DTYPE /tmp/old . [ROUNDS]
+    .venv/bin/python bench/decode_code_ab.py MODEL_DIR DTYPE /tmp/old . [ROUNDS] [STREAMSxPROMPT,...]
 
 Per checkout: ms per decode step at 1, 8 and 32 streams with 16-token prompts, and 32 streams with
-256-token prompts (attention over a longer context).
+256-token prompts (attention over a longer context), or the streams x prompts given.
 """
 
 import os
@@ -31,13 +31,15 @@ def run(n, plen, steps=24):
         k += 1
     return (time.perf_counter() - t) / k * 1e3
 run(1, 16, 4)
-print(json.dumps({f"{n}x{p}": statistics.median(run(n, p) for _ in range(2))
-                  for n, p in ((1, 16), (8, 16), (32, 16), (32, 256))}))
+shapes = sys.argv[3] if len(sys.argv) > 3 else "1x16,8x16,32x16,32x256"
+print(json.dumps({key: statistics.median(run(*map(int, key.split("x"))) for _ in range(2))
+                  for key in shapes.split(",")}))
 """
 
 
-def main(model: str, dtype: str, old: str, new: str, rounds: int = 3) -> None:
-    med = medians(alternate(CHILD, [os.path.abspath(model), dtype], old, new, rounds))
+def main(model: str, dtype: str, old: str, new: str, rounds: int = 3, shapes: str | None = None) -> None:
+    args = [os.path.abspath(model), dtype] + ([shapes] if shapes else [])
+    med = medians(alternate(CHILD, args, old, new, rounds))
     print("| streams x prompt | old ms/step | new ms/step | speed-up |\n|---|---|---|---|")
     for key, a in med["old"].items():
         b = med["new"][key]
@@ -45,4 +47,4 @@ def main(model: str, dtype: str, old: str, new: str, rounds: int = 3) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5], *map(int, sys.argv[5:6]))
+    main(*sys.argv[1:5], *map(int, sys.argv[5:6]), *sys.argv[6:7])

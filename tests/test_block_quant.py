@@ -205,6 +205,32 @@ def test_an_engine_serves_a_gguf_from_its_blocks_as_from_dequantized_weights(ker
         _close(blocks.model.forward_dense(ids), dense.model.forward_dense(ids))
 
 
+def test_a_units_memory_counts_the_blocks_it_will_hold_not_their_dequantized_size(kernel, gguf_files):
+    """The host check at deploy, the gateway's memory budget and a pod's limit count an instance's
+    weights as loaded: a GGUF's blocks by the file's bytes where it serves them, fp32 values where it
+    dequantizes them (several times the file)."""
+    from sits.engine.config import ModelConfig
+    from sits.engine.gguf_model import GGUFModel
+    from sits.runtime.host_fit import instance_weight_bytes
+    from sits.runtime.unit_spec import UnitSpec
+
+    path = gguf_files["k-mixed"]
+    mc = ModelConfig.from_dir(path)
+
+    def spec(**resources) -> UnitSpec:
+        return UnitSpec.model_validate({"name": "k", "model": path, "resources": {"device": "cpu", **resources}})
+
+    params = sum(t.numel() for name, t in _engine(path, gguf_weights="dequantize").model.state_dict().items()
+                 if name.endswith("proj.weight") or "embed" in name or "lm_head" in name)
+    values, nbytes = GGUFModel(path).block_tensors()
+    assert values == params - 256 * 256                   # all but layer 0's o_proj (F16)
+    assert instance_weight_bytes(spec(dtype="float32"), mc) == nbytes + 256 * 256 * 4
+    assert instance_weight_bytes(spec(dtype="float32", gguf_weights="dequantize"), mc) == params * 4
+    assert instance_weight_bytes(spec(dtype="bfloat16"), mc) == params * 2
+    assert instance_weight_bytes(spec(dtype="float32", quantization="int8"), mc) == params
+    assert nbytes + 256 * 256 * 4 < params * 4 / 4
+
+
 def test_blocks_serve_only_fp32_on_a_cpu(kernel, gguf_files, tiny_model_dir):
     cpu, path = torch.device("cpu"), gguf_files["q4_1"]
     assert resolve_gguf_blocks("auto", path, cpu, torch.float32, None)

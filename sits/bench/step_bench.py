@@ -119,6 +119,7 @@ def run_step_bench(model: str, device: str = "cpu", dtype: str = "bfloat16", bat
         for r in range(repeats):
             for path in (paths if r % 2 == 0 else paths[::-1]):
                 by_path[path].append(_step_times(model, hw, path, batch, context, steps, seed=r))
+                _log(f"step: batch {batch}, run {r + 1}/{repeats}: {path} {by_path[path][-1]['step_ms']:.2f} ms/step")
         for path in paths:
             runs = by_path[path]
             row[f"{path}_step_ms"] = statistics.median(r["step_ms"] for r in runs)

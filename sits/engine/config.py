@@ -224,17 +224,20 @@ def resolve_cpu_kernel(knob: str, name: str, device: torch.device, dtype: torch.
 
 
 def resolve_gguf_blocks(name: str, model: str, device: torch.device, dtype: torch.dtype,
-                        quantization: str | None) -> bool:
-    """Whether a GGUF model's block-quantized weights (``block_quant.BLOCK_TYPES``) serve as their blocks (``EngineConfig.gguf_weights``):
-    ``auto`` takes them for an fp32 engine on a CPU where the kernels are built (never compiling them)
-    and no load-time quantization is asked; ``blocks`` builds the kernels if needed and refuses what
-    cannot serve them; a model that is not a GGUF file has none."""
+                        quantization: str | None, build: bool = True) -> bool:
+    """Whether a GGUF model's block-quantized weights (``block_quant.BLOCK_TYPES``) serve as their
+    blocks (``EngineConfig.gguf_weights``): ``auto`` takes them for an fp32 engine on a CPU where the
+    kernels are built (never compiling them) and no load-time quantization is asked; ``blocks``
+    builds the kernels if needed (``build`` False: assumes the instance will) and refuses what cannot
+    serve them; a model that is not a GGUF file has none."""
     from sits.engine.gguf_model import gguf_file
     from sits.engine.layers import cpu_kernels
 
     if name == "dequantize" or gguf_file(model) is None:
         return False
     usable = device.type == "cpu" and dtype == torch.float32 and quantization is None
+    if name == "blocks" and usable and not build:
+        return True
     if name == "blocks" and (not usable or cpu_kernels.kernel() is None):
         why = (f"this is {device}" if device.type != "cpu" else f"the compute dtype is {dtype}"
                if dtype != torch.float32 else f"quantization {quantization!r} is asked" if quantization

@@ -14,6 +14,7 @@ and SentencePiece text that starts with a space or follows a special token.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,14 @@ class GGUFModel:
                 w = _unpermute_rows(name, w, heads, kv_heads)
             out[name] = w.to(dtype)
         return out
+
+    def block_tensors(self) -> tuple[int, int]:
+        """The values and the bytes of the weights ``state_dict(keep_blocks=True)`` keeps as blocks."""
+        from sits.engine.layers.block_quant import BLOCK_TYPES
+
+        kept = [t for t in self.tensors if _hf_name(t.name) is not None and t.tensor_type.name in BLOCK_TYPES
+                and len(t.shape) == 2]
+        return sum(math.prod(t.shape) for t in kept), sum(t.data.nbytes for t in kept)
 
     # -- tokenizer -------------------------------------------------------------------------------
     def _special_id(self, name: str) -> int | None:

@@ -1,20 +1,20 @@
 """Will a unit fit this host? Checked at deploy, so a spec whose instances can never start is a 400
 with the numbers, not a unit whose requests wait for starts that keep failing.
 
-On a CPU host an instance needs its KV pool (allocated whole at start) plus the model's weights,
-which forked instances share (counted once). Available memory is the kernel's ``MemAvailable``,
-or less where a cgroup limit says so. GPU memory is not checked here (asking would create a CUDA
+On a CPU host an instance needs its KV pool (allocated whole at start) plus the model's weights as
+loaded (``instance_weight_bytes``), which forked instances share (counted once). Available memory
+is the kernel's ``MemAvailable``, or less where a cgroup limit says so. GPU memory is not checked here (asking would create a CUDA
 context in the gateway); an instance that does not fit there fails its start and is retried with
 backoff.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from sits.engine.config import ModelConfig, resolve_device, resolve_dtype
+from sits.engine.config import ModelConfig, resolve_device, resolve_dtype, resolve_gguf_blocks
 from sits.engine.errors import InvalidRequestError
+from sits.engine.gguf_model import GGUFModel, gguf_file
 from sits.engine.kv_cache import bytes_per_block
 from sits.engine.loader import weight_files
 from sits.runtime.unit_spec import UnitSpec
@@ -45,13 +45,36 @@ def available_memory_bytes() -> int | None:
     return avail
 
 
-def weights_bytes(model_dir: str | os.PathLike) -> int:
-    """Bytes of the weights an instance will map: a model file itself, or the checkpoint's files."""
-    path = Path(model_dir)
+def file_weight_bytes(model: str) -> int:
+    """Bytes of the weights' files: a model file itself, or the checkpoint's files (what a load maps)."""
+    path = Path(model)
     if path.is_file():
         return path.stat().st_size
     files = weight_files(path) or [p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()]
     return sum(p.stat().st_size for p in files)
+
+
+def instance_weight_bytes(spec: UnitSpec, mc: ModelConfig) -> int:
+    """The weights one instance holds once loaded, from the model's matmul and embedding values (norms
+    are noise): a byte a value for int8 projections; a GGUF's block-quantized weights their file's
+    bytes where they are served as blocks; everything else a value of the compute dtype (what a
+    dequantized GGUF or a converted checkpoint takes, where its file may be several times smaller)."""
+    from sits.runtime.features import model_shape
+
+    cfg = spec.engine_config()
+    shape = model_shape(spec.model, cfg.dtype, cfg.device, mc)
+    params, elem = shape.weight_params, shape.kv_bytes_per_elem
+    if cfg.quantization == "int8":
+        return params
+    path = gguf_file(spec.model)
+    if path is None:
+        return params * elem
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device, mc.torch_dtype)
+    if not resolve_gguf_blocks(cfg.gguf_weights, spec.model, device, dtype, cfg.quantization, build=False):
+        return params * elem
+    values, nbytes = GGUFModel(path).block_tensors()
+    return nbytes + max(0, params - values) * elem
 
 
 def kv_pool_bytes(spec: UnitSpec, mc: ModelConfig) -> int:
@@ -71,7 +94,7 @@ def check_fits_host(spec: UnitSpec, mc: ModelConfig, available: int | None = Non
     if available is None:
         return
     n = max(1, spec.scale.min_instances)
-    kv, weights = kv_pool_bytes(spec, mc), weights_bytes(spec.model)
+    kv, weights = kv_pool_bytes(spec, mc), instance_weight_bytes(spec, mc)
     need = weights + n * kv
     if need > available:
         raise InvalidRequestError(

@@ -129,11 +129,13 @@ def _cpu(cpus: float) -> str:
 
 
 def _memory_bytes(spec: UnitSpec) -> int | None:
-    """Weights plus the KV pool, as the gateway's host check counts them (None: the model is not here)."""
+    """Weights plus the KV pool, as the gateway's host check counts them, the weights no less than their
+    files (mapped while loading, also for a GPU) (None: the model is not here)."""
     from sits.engine.config import ModelConfig
-    from sits.runtime.host_fit import kv_pool_bytes, weights_bytes
+    from sits.runtime.host_fit import file_weight_bytes, instance_weight_bytes, kv_pool_bytes
     try:
-        return weights_bytes(spec.model) + kv_pool_bytes(spec, ModelConfig.from_dir(spec.model))
+        mc = ModelConfig.from_dir(spec.model)
+        return max(file_weight_bytes(spec.model), instance_weight_bytes(spec, mc)) + kv_pool_bytes(spec, mc)
     except Exception:  # noqa: BLE001 - exporting for a model that lives elsewhere
         return None
 

@@ -36,7 +36,7 @@ from sits.runtime.unit_spec import UnitSpec
 from sits.runtime.features import DEFAULT_MEMORY_TOP_K, BackendFeatures, model_shape
 from sits.runtime.hints import RequestHints
 from sits.runtime.device_memory import CUDA_CONTEXT_BYTES, device_key
-from sits.runtime.host_fit import check_fits_host
+from sits.runtime.host_fit import check_fits_host, instance_weight_bytes
 from sits.runtime.dispatcher import UnitDispatcher
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ class UnitBackend(FallbackGuard):
         self.sampling_defaults = generation_defaults(spec.model) | spec.sampling.overrides()
         self.host = host
         shape = self.features.shape
-        weight_bytes = shape.weight_params * (1 if spec.resources.quantization == "int8" else shape.kv_bytes_per_elem)
+        weight_bytes = instance_weight_bytes(spec, mc)
         self.footprint_bytes = weight_bytes + self.limits.kv_capacity_tokens * shape.kv_bytes_per_token
         self._memory_accounted_at = time.monotonic()
         self.pool = UnitPool(spec, on_event=self._pool_event,

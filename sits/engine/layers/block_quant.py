@@ -113,11 +113,11 @@ _local = threading.local()
 def _matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
     """``F.linear``, split across the threads for up to ``SPLIT_MAX_ROWS`` rows (``linear.split_matmul``:
     a BLAS may run a matmul of that few rows on one core)."""
-    from sits.engine.layers.linear import SPLIT_MAX_ROWS, split_matmul
+    from sits.engine.layers.linear import SPLIT_MAX_ROWS, split_matmul, split_ways
 
     threads = torch.get_num_threads()
     if rows <= SPLIT_MAX_ROWS and threads > 1 and not torch.is_grad_enabled():
-        ways = next((k for k in range(threads, 1, -1) if w.shape[0] % k == 0), 1)
+        ways = split_ways(w.shape[0], threads)
         if ways > 1:
             return split_matmul(x, w, bias, ways)
     return F.linear(x, w, bias)

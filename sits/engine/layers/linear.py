@@ -73,7 +73,7 @@ class Linear(nn.Module):
         its address) while the weight's storage and the thread count stay."""
         w, cached = self.weight, self._blocks
         if cached is None or cached[0] != w.data_ptr() or cached[1] != threads:
-            ways = next((k for k in range(threads, 1, -1) if self.out_features % k == 0), 1)
+            ways = split_ways(self.out_features, threads)
             cached = self._blocks = (w.data_ptr(), threads, ways, weight_blocks(w, ways) if ways > 1 else None)
         return cached[2], cached[3]
 
@@ -107,6 +107,12 @@ def pack_linears(model: nn.Module) -> int:
 
 SPLIT_MAX_ROWS = 128    # above it a BLAS threads the matmul itself (the split measured level at 256)
 FEW_ROWS_MAX = 16       # up to it the C++ kernel beats the split ``bmm`` (measured: docs/benchmarks.md)
+
+
+def split_ways(out_features: int, threads: int) -> int:
+    """How many column blocks a split matmul over ``out_features`` rows takes for ``threads``: the most,
+    up to ``threads``, that divide the rows evenly (1: no split)."""
+    return next((k for k in range(threads, 1, -1) if out_features % k == 0), 1)
 
 
 def weight_blocks(weight: torch.Tensor, ways: int) -> torch.Tensor:

@@ -90,27 +90,31 @@ inline void k_scale_min(const uint8_t* s, int g, int& sc, int& m) {
   }
 }
 
-// Group g of the block at b: value = scale[0] * q + min for its first 16 values, scale[1] for the
-// last 16 (they differ for Q6_K only); each a product as gguf forms it (its d times the sub-scale)
+// A group's value = scale[0] * q + min for its first 16 values, scale[1] for the last 16 (they differ
+// for Q6_K only); each a product as gguf forms it (its d times the sub-scale)
 struct GroupScale {
   float scale[2];
   float min;
 };
 
+// Every group's scale and min of the block at b, its d (and dmin) read once
 template <int64_t QT>
-inline GroupScale group_scale(const uint8_t* b, int g) {
+inline void block_scales(const uint8_t* b, GroupScale s[]) {
   if constexpr (QT == kQ4_K || QT == kQ5_K) {
-    int sc, m;
-    k_scale_min(b + 4, g, sc, m);
-    const float s = half_at(b) * static_cast<float>(sc);
-    return {{s, s}, -(half_at(b + 2) * static_cast<float>(m))};
+    const float d = half_at(b), dmin = half_at(b + 2);
+    for (int g = 0; g < 8; ++g) {
+      int sc, m;
+      k_scale_min(b + 4, g, sc, m);
+      const float v = d * static_cast<float>(sc);
+      s[g] = {{v, v}, -(dmin * static_cast<float>(m))};
+    }
   } else if constexpr (QT == kQ6_K) {
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     const float d = half_at(b + 208);
-    return {{d * static_cast<float>(sc[2 * g]), d * static_cast<float>(sc[2 * g + 1])}, 0.f};
+    for (int g = 0; g < 8; ++g) s[g] = {{d * static_cast<float>(sc[2 * g]), d * static_cast<float>(sc[2 * g + 1])}, 0.f};
   } else {
     const float d = half_at(b);
-    return {{d, d}, block_type(QT).has_min ? half_at(b + 2) : 0.f};
+    s[0] = {{d, d}, block_type(QT).has_min ? half_at(b + 2) : 0.f};
   }
 }
 
@@ -143,53 +147,78 @@ inline void group_ints(const uint8_t* b, int g, int q[kGroup]) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// The 32 bytes' bits of ``x`` (4 bytes, little-endian) as 0x10 where set: the fifth bits of Q5_0/Q5_1
-inline __m256i fifth_bits(const uint8_t* x) {
+// 16 of the 32 fifth bits at x (4 bytes, little-endian: bits ``from`` to ``from`` + 15) as a byte each,
+// 0x10 where set: the fifth bits of Q5_0/Q5_1
+inline __m128i fifth_bits(const uint8_t* x, int from) {
   uint32_t x32;
   std::memcpy(&x32, x, 4);
-  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x32)),
-      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
-  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+  const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128(static_cast<int>(x32 >> from)),
+                                          _mm_set_epi64x(0x0101010101010101, 0x0000000000000000));
+  const __m128i bit = _mm_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
+  return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), _mm_set1_epi8(0x10));
 }
 
-// 32 bytes shifted right by ``bits`` each, their low ``mask`` bits kept
-inline __m256i byte_bits(__m256i v, int bits, int mask) {
-  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(bits)), _mm256_set1_epi8(static_cast<char>(mask)));
+// 16 bytes shifted right by ``bits`` each, their low ``mask`` bits kept
+inline __m128i byte_bits(__m128i v, int bits, int mask) {
+  return _mm_and_si128(_mm_srl_epi16(v, _mm_cvtsi32_si128(bits)), _mm_set1_epi8(static_cast<char>(mask)));
+}
+
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+// Group g's quants as int8, values 0-15 in ``lo`` and 16-31 in ``hi``, as group_ints (all but Q8_0,
+// whose bytes are the quants already). 128-bit halves: no lane-crossing shuffle to split a 256-bit one.
+template <int64_t QT>
+inline void group_halves(const uint8_t* b, int g, __m128i& lo, __m128i& hi) {
+  if constexpr (QT == kQ4_K || QT == kQ5_K) {     // 32 bytes at once, then split
+    const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (QT == kQ4_K ? 16 : 48) + 32 * (g / 2)));
+    __m256i v = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(4 * (g % 2))), _mm256_set1_epi8(15));
+    if constexpr (QT == kQ5_K) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(g)),
+                                                                 _mm256_set1_epi8(1)), 4));
+    }
+    lo = _mm256_castsi256_si128(v);
+    hi = _mm256_extracti128_si256(v, 1);
+  } else if constexpr (QT == kQ6_K) {
+    const int h = g / 4, k = g % 4;
+    const uint8_t *ql = b + 64 * h + 32 * (k & 1), *qh = b + 128 + 32 * h;
+    const __m128i offset = _mm_set1_epi8(32);
+    lo = _mm_sub_epi8(_mm_or_si128(byte_bits(load16(ql), 4 * (k >> 1), 15),
+                                   _mm_slli_epi16(byte_bits(load16(qh), 2 * k, 3), 4)), offset);
+    hi = _mm_sub_epi8(_mm_or_si128(byte_bits(load16(ql + 16), 4 * (k >> 1), 15),
+                                   _mm_slli_epi16(byte_bits(load16(qh + 16), 2 * k, 3), 4)), offset);
+  } else {
+    constexpr bool five = QT == kQ5_0 || QT == kQ5_1;
+    const uint8_t* qs = b + (block_type(QT).has_min ? 4 : 2) + (five ? 4 : 0);
+    const __m128i packed = load16(qs), nibble = _mm_set1_epi8(15);
+    lo = _mm_and_si128(packed, nibble);
+    hi = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+    if constexpr (five) {
+      lo = _mm_or_si128(lo, fifth_bits(qs - 4, 0));
+      hi = _mm_or_si128(hi, fifth_bits(qs - 4, 16));
+    }
+    if constexpr (QT == kQ4_0 || QT == kQ5_0) {
+      const __m128i offset = _mm_set1_epi8(QT == kQ4_0 ? 8 : 16);
+      lo = _mm_sub_epi8(lo, offset);
+      hi = _mm_sub_epi8(hi, offset);
+    }
+  }
 }
 
 // Group g's 32 quants as floats in four 8-lane registers (values 8j .. 8j + 7 in q[j]), as group_ints
 template <int64_t QT>
 inline void group_quants(const uint8_t* b, int g, __m256 q[4]) {
-  __m256i v;      // the 32 quants as int8, in order
-  if constexpr (QT == kQ8_0) {
-    v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
-    const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (QT == kQ4_K ? 16 : 48) + 32 * (g / 2)));
-    v = byte_bits(qs, 4 * (g % 2), 15);
-    if constexpr (QT == kQ5_K)
-      v = _mm256_or_si256(v, _mm256_slli_epi16(byte_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)), g, 1), 4));
-  } else if constexpr (QT == kQ6_K) {
-    const int h = g / 4, k = g % 4;
-    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (k & 1)));
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
-    v = _mm256_or_si256(byte_bits(ql, 4 * (k >> 1), 15), _mm256_slli_epi16(byte_bits(qh, 2 * k, 3), 4));
-    v = _mm256_sub_epi8(v, _mm256_set1_epi8(32));
+  if constexpr (QT == kQ8_0) {      // each 8 quants widened straight from memory
+    for (int j = 0; j < 4; ++j)
+      q[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j))));
   } else {
-    constexpr bool five = QT == kQ5_0 || QT == kQ5_1;
-    const uint8_t* qs = b + (block_type(QT).has_min ? 4 : 2) + (five ? 4 : 0);
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i nibble = _mm_set1_epi8(15);
-    v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble), _mm_and_si128(packed, nibble));
-    if constexpr (five) v = _mm256_or_si256(v, fifth_bits(qs - 4));
-    if constexpr (QT == kQ4_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(8));
-    if constexpr (QT == kQ5_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+    __m128i lo, hi;
+    group_halves<QT>(b, g, lo, hi);
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
   }
-  const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
-  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-  q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-  q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
 }
 
 // y[r, n] = x[r, :] . W[n, :] for R (1 to 4) activation rows and weight rows [n0, n1), with no
@@ -211,24 +240,27 @@ void rows_times_blocks(const float* x, const float* sx, int64_t K, const uint8_t
       mins[r] = 0.f;
     }
     for (int64_t i = 0; i < nb; ++i, b += T.bytes) {
+      GroupScale s[groups];
+      block_scales<QT>(b, s);
+#pragma GCC unroll 8
       for (int g = 0; g < groups; ++g) {
         __m256 q[4];
         group_quants<QT>(b, g, q);
-        const GroupScale s = group_scale<QT>(b, g);
+        const __m256 s0 = _mm256_set1_ps(s[g].scale[0]), s1 = _mm256_set1_ps(s[g].scale[1]);
         const int64_t at = i * groups + g;
         for (int r = 0; r < R; ++r) {
           const float* xr = x + r * K + at * kGroup;
           __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(xr));
           t = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xr + 8), t);
           if constexpr (QT == kQ6_K) {       // the group's halves have scales of their own
-            acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(s.scale[0]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(t, s0, acc[r]);
             t = _mm256_mul_ps(q[2], _mm256_loadu_ps(xr + 16));
           } else {
             t = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xr + 16), t);
           }
           t = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xr + 24), t);
-          acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(s.scale[1]), acc[r]);
-          if constexpr (T.has_min) mins[r] += s.min * sx[r * ng + at];
+          acc[r] = _mm256_fmadd_ps(t, s1, acc[r]);
+          if constexpr (T.has_min) mins[r] += s[g].min * sx[r * ng + at];
         }
       }
     }
@@ -260,8 +292,10 @@ void dequantize_row(const uint8_t* b, float* y, int64_t K) {
   constexpr BlockType T = block_type(QT);
   constexpr int groups = T.values / kGroup;
   for (int64_t i = 0; i < K; i += T.values, b += T.bytes) {
+    GroupScale scales[groups];
+    block_scales<QT>(b, scales);
     for (int g = 0; g < groups; ++g, y += kGroup) {
-      const GroupScale s = group_scale<QT>(b, g);
+      const GroupScale& s = scales[g];
 #if defined(__AVX2__) && defined(__FMA__)
       __m256 q[4];
       group_quants<QT>(b, g, q);
