@@ -8,7 +8,6 @@ noise between processes that an old-vs-new run of whole checkouts carries.
 The revision's ``csrc`` is built for this machine into a temporary directory (a minute).
 """
 
-import os
 import statistics
 import subprocess
 import sys
@@ -22,25 +21,8 @@ from sits.engine.layers import block_quant, cpu_kernels
 from sits.engine.llm_engine import LLMEngine
 from sits.engine.sampling_params import SamplingParams
 
-BINDING = """
-#include <torch/extension.h>
-torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t in_features,
-                           c10::optional<torch::Tensor> bias);
-torch::Tensor block_dequantize(torch::Tensor blocks, int64_t qtype, int64_t in_features,
-                               c10::optional<torch::Tensor> out);
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("block_linear", &block_linear, py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("in_features"),
-        py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
-  m.def("block_dequantize", &block_dequantize, py::arg("blocks"), py::arg("qtype"), py::arg("in_features"),
-        py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
-}
-"""
-
-
-def build_block_kernels(rev: str, directory: Path):
+def old_block_kernels(rev: str, directory: Path):
     """``rev``'s block kernels, compiled with the flags of ``cpu_kernels``."""
-    from torch.utils import cpp_extension
-
     root = Path(__file__).resolve().parents[1]
     src = directory / "csrc"
     src.mkdir()
@@ -49,12 +31,8 @@ def build_block_kernels(rev: str, directory: Path):
         text = subprocess.run(["git", "-C", str(root), "show", f"{rev}:{rel / name}"], capture_output=True,
                               text=True, check=True).stdout
         (src / name).write_text(text)
-    (src / "binding.cpp").write_text(BINDING)
-    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     print(f"building {rev}'s block kernels", file=sys.stderr, flush=True)
-    return cpp_extension.load(name=f"block_kernels_{rev}", sources=[str(src / "binding.cpp"), str(src / "block_quant_cpu.cpp")],
-                              extra_cflags=[*cpu_kernels.CFLAGS, f"-I{src}"], extra_ldflags=list(cpu_kernels.LDFLAGS),
-                              build_directory=str(directory), verbose=False)
+    return cpu_kernels.build_block_kernels(f"block_kernels_{rev}", src, directory)
 
 
 def main(rev: str, model: str, rounds: int = 30) -> None:
@@ -62,7 +40,7 @@ def main(rev: str, model: str, rounds: int = 30) -> None:
     if new is None:
         raise SystemExit("the CPU kernels are not built (make install)")
     with tempfile.TemporaryDirectory() as tmp:
-        old = build_block_kernels(rev, Path(tmp))
+        old = old_block_kernels(rev, Path(tmp))
     kernels = {rev: old, "this checkout": new}
     turn = {"k": new}
     block_quant.cpu_kernels = types.SimpleNamespace(loaded=lambda: turn["k"])

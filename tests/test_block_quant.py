@@ -294,41 +294,17 @@ def test_biased_projections_keep_their_biases_in_blocks_and_qwen2_rows_stay_unpe
         assert out == dense_greedy(eng, ids[0].tolist(), 6)
 
 
-_PORTABLE_BINDING = """
-#include <torch/extension.h>
-torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t in_features,
-                           c10::optional<torch::Tensor> bias);
-torch::Tensor block_dequantize(torch::Tensor blocks, int64_t qtype, int64_t in_features,
-                               c10::optional<torch::Tensor> out);
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("block_linear", &block_linear, py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("in_features"),
-        py::arg("bias") = py::none());
-  m.def("block_dequantize", &block_dequantize, py::arg("blocks"), py::arg("qtype"), py::arg("in_features"),
-        py::arg("out") = py::none());
-}
-"""
-
-
 @pytest.mark.slow
 def test_the_portable_build_expands_every_type_as_gguf_does(tmp_path):
     """A CPU without AVX2 (an ARM Mac, an old x86) takes the kernels' portable branch: built here for
     plain x86-64, it must expand and multiply every block type as the AVX2 build does."""
-    import os
     import platform
-    import sys
 
-    from torch.utils import cpp_extension
-
-    from sits.engine.layers.cpu_kernels import CSRC
+    from sits.engine.layers.cpu_kernels import CSRC, build_block_kernels
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("builds the portable branch with -march=x86-64")
-    (tmp_path / "binding.cpp").write_text(_PORTABLE_BINDING)
-    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    portable = cpp_extension.load(
-        name="sits_block_quant_portable", sources=[str(tmp_path / "binding.cpp"), str(CSRC / "block_quant_cpu.cpp")],
-        extra_cflags=["-O2", "-march=x86-64", "-fopenmp", f"-I{CSRC}"], extra_ldflags=["-fopenmp"],
-        build_directory=str(tmp_path), verbose=False)
+    portable = build_block_kernels("sits_block_quant_portable", CSRC, tmp_path, ("-O2", "-march=x86-64", "-fopenmp"))
     for qtype in TYPES:
         cols = _cols(qtype, 6)
         bw, w = _blocks(qtype, 67, cols, seed=int(qtype))

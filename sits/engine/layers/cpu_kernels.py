@@ -116,6 +116,36 @@ def _compile(name: str, directory: Path, so: Path):
         return module
 
 
+_BLOCK_BINDING = """
+#include <torch/extension.h>
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t in_features,
+                           c10::optional<torch::Tensor> bias);
+torch::Tensor block_dequantize(torch::Tensor blocks, int64_t qtype, int64_t in_features,
+                               c10::optional<torch::Tensor> out);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("block_linear", &block_linear, py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("in_features"),
+        py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("block_dequantize", &block_dequantize, py::arg("blocks"), py::arg("qtype"), py::arg("in_features"),
+        py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
+}
+"""
+
+
+def build_block_kernels(name: str, src: Path, build_dir: Path, cflags: tuple[str, ...] = CFLAGS):
+    """The block kernels alone (``block_linear``, ``block_dequantize``) built from ``src`` (a directory
+    holding ``block_quant_cpu.cpp`` and its headers) with ``cflags`` into ``build_dir``, not cached:
+    for checking the portable branch (flags without AVX2) or timing another revision's sources."""
+    from torch.utils import cpp_extension
+
+    (build_dir / "block_binding.cpp").write_text(_BLOCK_BINDING)
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    return cpp_extension.load(name=name, sources=[str(build_dir / "block_binding.cpp"), str(src / "block_quant_cpu.cpp")],
+                              extra_cflags=[*cflags, f"-I{src}"], extra_ldflags=list(LDFLAGS),
+                              build_directory=str(build_dir), verbose=False)
+
+
 def kernel(build: bool = True):
     """The compiled module, or None (turned off, not built and ``build`` False, or the build failed:
     ``kernel_error()``). Loading a build is a ``dlopen``; building one takes a minute or two. A build
