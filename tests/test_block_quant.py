@@ -220,14 +220,16 @@ def test_a_units_memory_counts_the_blocks_it_will_hold_not_their_dequantized_siz
     def spec(**resources) -> UnitSpec:
         return UnitSpec.model_validate({"name": "k", "model": path, "resources": {"device": "cpu", **resources}})
 
-    params = sum(t.numel() for name, t in _engine(path, gguf_weights="dequantize").model.state_dict().items()
-                 if name.endswith("proj.weight") or "embed" in name or "lm_head" in name)
+    state = _engine(path, gguf_weights="dequantize").model.state_dict()
+    projections = sum(t.numel() for name, t in state.items() if name.endswith("proj.weight"))
+    params = projections + sum(t.numel() for name, t in state.items() if "embed" in name or "lm_head" in name)
     values, nbytes = GGUFModel(path).block_tensors()
     assert values == params - 256 * 256                   # all but layer 0's o_proj (F16)
     assert instance_weight_bytes(spec(dtype="float32"), mc) == nbytes + 256 * 256 * 4
     assert instance_weight_bytes(spec(dtype="float32", gguf_weights="dequantize"), mc) == params * 4
     assert instance_weight_bytes(spec(dtype="bfloat16"), mc) == params * 2
-    assert instance_weight_bytes(spec(dtype="float32", quantization="int8"), mc) == params
+    int8 = spec(dtype="float32", quantization="int8")          # the projections; embeddings and head stay fp32
+    assert instance_weight_bytes(int8, mc) == projections + (params - projections) * 4
     assert nbytes + 256 * 256 * 4 < params * 4 / 4
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from sits.engine.config import ModelConfig, resolve_device, resolve_dtype, resolve_gguf_blocks
 from sits.engine.errors import InvalidRequestError
-from sits.engine.gguf_model import GGUFModel, gguf_file
+from sits.engine.gguf_model import open_gguf
 from sits.engine.kv_cache import bytes_per_block
 from sits.engine.loader import weight_files
 from sits.runtime.unit_spec import UnitSpec
@@ -56,24 +56,25 @@ def file_weight_bytes(model: str) -> int:
 
 def instance_weight_bytes(spec: UnitSpec, mc: ModelConfig) -> int:
     """The weights one instance holds once loaded, from the model's matmul and embedding values (norms
-    are noise): a byte a value for int8 projections; a GGUF's block-quantized weights their file's
-    bytes where they are served as blocks; everything else a value of the compute dtype (what a
-    dequantized GGUF or a converted checkpoint takes, where its file may be several times smaller)."""
+    are noise): a byte a value for int8 projections (the embeddings and LM head stay in the compute
+    dtype); a GGUF's block-quantized weights their file's bytes where they are served as blocks;
+    everything else a value of the compute dtype (what a dequantized GGUF or a converted checkpoint
+    takes, where its file may be several times smaller)."""
     from sits.runtime.features import model_shape
 
     cfg = spec.engine_config()
     shape = model_shape(spec.model, cfg.dtype, cfg.device, mc)
     params, elem = shape.weight_params, shape.kv_bytes_per_elem
     if cfg.quantization == "int8":
-        return params
-    path = gguf_file(spec.model)
-    if path is None:
+        return shape.layer_params + (params - shape.layer_params) * elem
+    gguf = open_gguf(spec.model)
+    if gguf is None:
         return params * elem
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device, mc.torch_dtype)
     if not resolve_gguf_blocks(cfg.gguf_weights, spec.model, device, dtype, cfg.quantization, build=False):
         return params * elem
-    values, nbytes = GGUFModel(path).block_tensors()
+    values, nbytes = gguf.block_tensors()
     return nbytes + max(0, params - values) * elem
 
 

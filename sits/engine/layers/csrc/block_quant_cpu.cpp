@@ -353,9 +353,9 @@ torch::Tensor block_dequantize(torch::Tensor blocks, int64_t qtype, int64_t in_f
   return w;
 }
 
-// x @ W.T (+ bias), W given as its blocks: the weight's rows split across the threads. Up to
-// kInRegistersMaxRows rows each group is expanded in registers; above, each thread expands a tile of
-// about 16 KB of rows at a time and multiplies every activation row by it.
+// x @ W.T (+ bias), W given as its blocks: the weight's rows split across the threads. With AVX2, up
+// to kInRegistersMaxRows rows each group is expanded in registers; above (and in a build without
+// AVX2), each thread expands a tile of about 16 KB of rows at a time and multiplies every row by it.
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t in_features,
                            c10::optional<torch::Tensor> bias) {
   const int64_t row_bytes = check_blocks(blocks, qtype, in_features), N = blocks.size(0), K = in_features;
