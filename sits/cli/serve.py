@@ -16,8 +16,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weights and KV cache: auto (follow the checkpoint: bf16 where this device computes it "
                         "natively, else fp32), float32, bfloat16 or float16 (default: auto)")
     p.add_argument("--gguf-weights", default="auto", choices=["auto", "blocks", "dequantize"],
-                   help="a GGUF's block-quantized weights (Q4_0 to Q8_0, Q4_K, Q5_K, Q6_K): served as the file's blocks (fp32 on a CPU), or "
-                        "dequantized at load; auto: blocks where usable")
+                   help="a GGUF's block-quantized weights (Q4_0 to Q8_0, Q4_K, Q5_K, Q6_K): served as the file's "
+                        "blocks (fp32 on a CPU), or dequantized at load; auto: blocks where usable")
     p.add_argument("--quantization", default=None, choices=["int8"],
                    help="quantize the projections' weights at load: int8 (per-channel, weight-only; half the "
                         "memory of bf16) (default: none)")

@@ -3,9 +3,9 @@ with the numbers, not a unit whose requests wait for starts that keep failing.
 
 On a CPU host an instance needs its KV pool (allocated whole at start) plus the model's weights as
 loaded (``instance_weight_bytes``), which forked instances share (counted once). Available memory
-is the kernel's ``MemAvailable``, or less where a cgroup limit says so. GPU memory is not checked here (asking would create a CUDA
-context in the gateway); an instance that does not fit there fails its start and is retried with
-backoff.
+is the kernel's ``MemAvailable``, or less where a cgroup limit says so. GPU memory is not checked
+here (asking would create a CUDA context in the gateway); an instance that does not fit there fails
+its start and is retried with backoff.
 """
 
 from __future__ import annotations

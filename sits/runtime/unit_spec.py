@@ -95,8 +95,8 @@ class ResourcesSpec(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"   # auto: follow the checkpoint
     quantization: Literal["int8"] | None = Field(None, description="int8: weight-only, per channel, at load")
     gguf_weights: Literal["auto", "blocks", "dequantize"] = Field(
-        "auto", description="a GGUF's block-quantized weights (Q4_0 to Q8_0, Q4_K/Q5_K/Q6_K): served as the file's blocks (fp32 on a CPU) or "
-                            "dequantized at load; auto: blocks where usable")
+        "auto", description="a GGUF's block-quantized weights (Q4_0 to Q8_0, Q4_K/Q5_K/Q6_K): served as the "
+                            "file's blocks (fp32 on a CPU) or dequantized at load; auto: blocks where usable")
     policy: Literal["pfsd", "fcfs"] = "pfsd"
     warmup: bool | Literal["all", "minimal"] = Field(
         "all", description="warm-up at start: all serving shapes, minimal (one prefill, one decode), or false")

@@ -141,8 +141,8 @@ def build_block_kernels(name: str, src: Path, build_dir: Path, cflags: tuple[str
     bin_dir = os.path.dirname(sys.executable)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    return cpp_extension.load(name=name, sources=[str(build_dir / "block_binding.cpp"), str(src / "block_quant_cpu.cpp")],
-                              extra_cflags=[*cflags, f"-I{src}"], extra_ldflags=list(LDFLAGS),
+    sources = [str(build_dir / "block_binding.cpp"), str(src / "block_quant_cpu.cpp")]
+    return cpp_extension.load(name=name, sources=sources, extra_cflags=[*cflags, f"-I{src}"], extra_ldflags=list(LDFLAGS),
                               build_directory=str(build_dir), verbose=False)
 
 
