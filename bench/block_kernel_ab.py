@@ -32,7 +32,8 @@ def old_block_kernels(rev: str, directory: Path):
                               text=True, check=True).stdout
         (src / name).write_text(text)
     print(f"building {rev}'s block kernels", file=sys.stderr, flush=True)
-    return cpu_kernels.build_block_kernels(f"block_kernels_{rev}", src, directory)
+    int8 = "block_linear_int8" in (src / "block_quant_cpu.cpp").read_text()
+    return cpu_kernels.build_block_kernels(f"block_kernels_{rev}", src, directory, int8=int8)
 
 
 def main(rev: str, model: str, rounds: int = 30) -> None:

@@ -99,6 +99,51 @@ def test_the_layer_serves_decode_rows_from_blocks_and_prefill_from_dequantized_s
     _close(x.grad, w.sum(0).expand(2, cols))
 
 
+def _int8_rows(x: torch.Tensor, values: int) -> torch.Tensor:
+    """x as the integer kernel sees it: each block of ``values`` quantized to int8 with dx = max |x| / 127
+    (round half to even, as the kernel's conversion), then taken back to floats."""
+    blocks = x.reshape(x.shape[0], -1, values)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inv) * d).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17])
+@pytest.mark.parametrize("out_f, blocks", [(1, 1), (67, 3), (300, 18)])
+def test_int8_activations_are_a_matmul_over_the_quantized_rows(kernel, qtype, rows, out_f, blocks):
+    """``block_linear_int8``: up to 16 rows, the integer dot products equal the dequantized weight times
+    the rows quantized per block to rounding; above, it is ``block_linear``'s fp32 arithmetic."""
+    in_f = _cols(qtype, blocks)
+    bw, w = _blocks(qtype, out_f, in_f, seed=rows + out_f)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_f, generator=g) * torch.rand(1, in_f, generator=g) * 3     # uneven channels
+    x[0, :32] = 0                                                                       # a zero block
+    bias = torch.randn(out_f, generator=g)
+    type_id, values = BLOCK_TYPES[qtype.name][:2]
+    got = kernel.block_linear_int8(x, bw.blocks, type_id, in_f, bias)
+    if rows > block_quant.INT8_MAX_ROWS:
+        assert torch.equal(got, kernel.block_linear(x, bw.blocks, type_id, in_f, bias))
+        return
+    _close(got, F.linear(_int8_rows(x, values), w, bias))
+    # and off the fp32 product by no more than half a quantization step of x times |w|'s row sums
+    bound = 0.5 * (x.abs().amax(1, keepdim=True) / 127) * w.abs().sum(1) * 1.01 + 1e-5
+    assert ((got - F.linear(x, w, bias)).abs() <= bound).all()
+
+
+def test_block_layers_take_int8_activations_in_decode_only_when_asked(kernel):
+    bw, w = _blocks(Q.Q4_K, 40, 512, seed=2)
+    layer = BlockLinear(bw)
+    x = torch.randn(block_quant.INT8_MAX_ROWS + 1, 512)
+    with torch.inference_mode():
+        _close(layer(x[:2]), F.linear(x[:2], w))
+        layer.int8_activations = True
+        _close(layer(x[:2]), F.linear(_int8_rows(x[:2], 256), w))
+        _close(layer(x), F.linear(x, w))                  # a prefill's rows: fp32
+        fused = block_quant.fuse_block_linears([layer, BlockLinear(bw)])
+        assert fused.int8_activations
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K])
 def test_the_embedding_expands_only_the_rows_it_looks_up(kernel, qtype):
     bw, w = _blocks(qtype, 50, _cols(qtype, 2), seed=5)
@@ -205,6 +250,33 @@ def test_an_engine_serves_a_gguf_from_its_blocks_as_from_dequantized_weights(ker
         _close(blocks.model.forward_dense(ids), dense.model.forward_dense(ids))
 
 
+def test_an_engine_with_int8_activations_decodes_through_the_integer_kernel(kernel, gguf_files, monkeypatch):
+    """``block_activations: int8`` (engine, unit spec, its pod's arguments): the block layers take the
+    integer kernel for a step's few rows; generation runs; an fp32 engine never calls it."""
+    from sits.runtime.k8s_export import export_unit
+    from sits.runtime.unit_spec import UnitSpec
+
+    path = gguf_files["k-mixed"]
+    calls = []
+    real = kernel.block_linear_int8
+    monkeypatch.setattr(kernel, "block_linear_int8", lambda *a: calls.append(a[2]) or real(*a))
+    for mode in ("fp32", "int8"):
+        eng = _engine(path, block_activations=mode)
+        blocks = [m for m in eng.model.modules() if isinstance(m, BlockLinear)]
+        assert blocks and all(m.int8_activations == (mode == "int8") for m in blocks)
+        g = torch.Generator().manual_seed(5)
+        prompts = [[1] + torch.randint(3, eng.model_config.vocab_size, (n,), generator=g).tolist() for n in (4, 30)]
+        assert [len(o) for o in greedy_mixed(eng, prompts, 8)] == [8, 8]
+        assert bool(calls) == (mode == "int8")
+    assert {BLOCK_TYPES[t][0] for t in ("Q4_K", "Q5_K", "Q6_K", "Q5_0")} <= set(calls)
+    with pytest.raises(ValueError):
+        EngineConfig(model=path, block_activations="int4")
+    spec = UnitSpec.model_validate({"name": "k", "model": path, "resources": {"block_activations": "int8"}})
+    assert spec.engine_config().block_activations == "int8"
+    args = export_unit(spec, "knative").manifest["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--block-activations") + 1] == "int8"
+
+
 def test_a_units_memory_counts_the_blocks_it_will_hold_not_their_dequantized_size(kernel, gguf_files):
     """The host check at deploy, the gateway's memory budget and a pod's limit count an instance's
     weights as loaded: a GGUF's blocks by the file's bytes where it serves them, fp32 values where it
@@ -253,7 +325,8 @@ def test_the_step_bench_times_blocks_beside_the_dequantized_paths_for_an_fp32_gg
                                                                                     tiny_model_dir):
     from sits.bench.step_bench import available_paths
 
-    assert available_paths("cpu", gguf_files["q4_1"], "float32") == ["reference", "cpp_attention", "cpp", "cpp_blocks"]
+    assert available_paths("cpu", gguf_files["q4_1"], "float32") == ["reference", "cpp_attention", "cpp", "cpp_blocks",
+                                                                        "cpp_blocks_int8"]
     assert "cpp_blocks" not in available_paths("cpu", gguf_files["q4_1"], "bfloat16")
     assert "cpp_blocks" not in available_paths("cpu", tiny_model_dir, "float32")
 
@@ -299,7 +372,8 @@ def test_biased_projections_keep_their_biases_in_blocks_and_qwen2_rows_stay_unpe
 @pytest.mark.slow
 def test_the_portable_build_expands_every_type_as_gguf_does(tmp_path):
     """A CPU without AVX2 (an ARM Mac, an old x86) takes the kernels' portable branch: built here for
-    plain x86-64, it must expand and multiply every block type as the AVX2 build does."""
+    plain x86-64, it must expand and multiply every block type as the AVX2 build does (its
+    ``block_linear_int8`` multiplies fp32 rows: the integer kernel is AVX2's)."""
     import platform
 
     from sits.engine.layers.cpu_kernels import CSRC, build_block_kernels
@@ -315,3 +389,5 @@ def test_the_portable_build_expands_every_type_as_gguf_does(tmp_path):
         for rows in (1, 5, 17):
             x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
             _close(portable.block_linear(x, bw.blocks, type_id, cols), x @ w.T)
+            assert torch.equal(portable.block_linear_int8(x, bw.blocks, type_id, cols),
+                               portable.block_linear(x, bw.blocks, type_id, cols))

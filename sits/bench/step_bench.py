@@ -12,6 +12,8 @@ the whole step). The engine runs once per path available on the device, in the s
 - ``cpp_blocks`` (CPU, a GGUF file in fp32): ``cpp`` with the file's block-quantized weights served as
   their blocks (``gguf_weights="blocks"``: what an engine takes by default for such a file; the other
   paths dequantize it at load);
+- ``cpp_blocks_int8``: ``cpp_blocks`` with its decode rows quantized to 8 bits per block and multiplied
+  by integer dot products (``block_activations="int8"``, llama.cpp's arithmetic; approximate);
 - ``paged``: the paged Triton kernels, eager;
 - ``paged+graphs``: the paged kernels with decode steps replayed from CUDA graphs.
 
@@ -46,6 +48,8 @@ PATHS = {"reference": dict(attention="torch", linear="torch", elementwise="torch
          "cpp": dict(attention="cpp", linear="auto", elementwise="auto", decode_graphs=False, **_DENSE),
          "cpp_blocks": dict(attention="cpp", linear="auto", elementwise="auto", decode_graphs=False,
                             gguf_weights="blocks"),
+         "cpp_blocks_int8": dict(attention="cpp", linear="auto", elementwise="auto", decode_graphs=False,
+                                 gguf_weights="blocks", block_activations="int8"),
          "paged": dict(attention="triton", decode_graphs=False),
          "paged+graphs": dict(attention="triton", decode_graphs=True)}
 
@@ -63,7 +67,7 @@ def available_paths(device: str, model: str | None = None, dtype: str = "float32
     if dev.type == "cpu" and cpu_kernels.kernel(build=False) is not None:   # what `make install` built
         blocks = (model is not None and gguf_file(model) is not None
                   and resolve_dtype(dtype, dev, ModelConfig.from_dir(model).torch_dtype) == torch.float32)
-        return ["reference", "cpp_attention", "cpp"] + ["cpp_blocks"] * blocks
+        return ["reference", "cpp_attention", "cpp"] + ["cpp_blocks", "cpp_blocks_int8"] * blocks
     return ["reference"]
 
 
@@ -108,9 +112,15 @@ def _kv_mb(model: str, hw: Hardware, batch: int, length: int) -> int:
 
 def run_step_bench(model: str, device: str = "cpu", dtype: str = "bfloat16", batch_sizes: tuple[int, ...] = (1, 32),
                    context: int = 128, steps: int = 64, repeats: int = 3, hf: bool = True, threads: int | None = None,
-                   json_out: str | None = None, docs_out: str | None = None) -> dict:
+                   json_out: str | None = None, docs_out: str | None = None, only: tuple[str, ...] = ()) -> dict:
+    """``only``: these of the available paths (all when empty)."""
     hw = Hardware(device, dtype, threads)
     paths = available_paths(device, model, dtype)
+    if only:
+        if set(only) - set(paths):
+            raise ValueError(f"paths {', '.join(sorted(set(only) - set(paths)))} are not available here "
+                             f"(available: {', '.join(paths)})")
+        paths = [p for p in paths if p in only]
     _log(f"step: {model} on {hw.describe()}; paths {', '.join(paths)}")
     rows: dict[str, dict] = {}
     for batch in batch_sizes:
@@ -148,7 +158,7 @@ def run_step_bench(model: str, device: str = "cpu", dtype: str = "bfloat16", bat
         del model_hf
     for row in rows.values():
         others = [row[f"{p}_step_ms"] for p in paths if p != "reference"]
-        if others:      # the fastest of the other paths
+        if others and "reference" in paths:      # the fastest of the other paths
             row["speedup_vs_reference"] = row["reference_step_ms"] / min(others)
     result = {"model": model, "hardware": hw.describe(), "context": context, "steps": steps, "repeats": repeats,
               "paths": paths, "batches": rows}
@@ -185,12 +195,23 @@ def _plot(result: dict, path) -> None:
 
 
 def _cli(args: argparse.Namespace) -> int:
-    result = run_step_bench(args.model, device=args.device, dtype=args.dtype,
-                            batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")), context=args.context,
-                            steps=args.steps, repeats=args.repeats, hf=not args.no_hf, threads=args.threads,
-                            json_out=args.json, docs_out=args.write_docs)
+    import sys
+
+    try:
+        result = _run_cli(args)
+    except ValueError as e:
+        print(f"sits bench step: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(result["summary"], indent=2))
     return 0
+
+
+def _run_cli(args: argparse.Namespace) -> dict:
+    return run_step_bench(args.model, device=args.device, dtype=args.dtype,
+                          batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")), context=args.context,
+                          steps=args.steps, repeats=args.repeats, hf=not args.no_hf, threads=args.threads,
+                          json_out=args.json, docs_out=args.write_docs,
+                          only=tuple(p for p in args.paths.split(",") if p))
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -202,3 +223,4 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=int, default=128, help="prompt tokens before the timed steps")
     p.add_argument("--steps", type=int, default=64, help="decode steps timed per run")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
+    p.add_argument("--paths", default="", help="comma-separated paths to time, of those available (default: all)")

@@ -303,6 +303,9 @@ class EngineConfig:
     gguf_weights: str = "auto"           # a GGUF's block-quantized weights: "blocks" (kept as the file's blocks,
                                          # multiplied in place by the C++ CPU kernels; fp32 on a CPU) or
                                          # "dequantize" (to the compute dtype at load); auto: blocks where usable
+    block_activations: str = "fp32"      # what those blocks multiply in decode: "fp32" activations (the
+                                         # dequantized model's sums, to rounding) or "int8" (quantized per
+                                         # block, integer dot products: llama.cpp's arithmetic, faster, approximate)
 
     @property
     def lora_enabled(self) -> bool:
@@ -322,6 +325,8 @@ class EngineConfig:
                 raise ValueError(f"{knob} must be 'auto', 'torch' or 'cpp', got {getattr(self, knob)!r}")
         if self.gguf_weights not in ("auto", "blocks", "dequantize"):
             raise ValueError(f"gguf_weights must be 'auto', 'blocks' or 'dequantize', got {self.gguf_weights!r}")
+        if self.block_activations not in ("fp32", "int8"):
+            raise ValueError(f"block_activations must be 'fp32' or 'int8', got {self.block_activations!r}")
         if self.attention not in ("auto", "torch", "triton", "cpp"):
             raise ValueError(f"attention must be 'auto', 'torch', 'triton' or 'cpp', got {self.attention!r}")
         if self.max_loras < 1 or self.max_lora_rank < 1:

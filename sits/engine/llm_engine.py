@@ -194,7 +194,8 @@ class LLMEngine:
         self.attention = resolve_attention(cfg.attention, self.device)
         self.linear = resolve_cpu_kernel("linear", cfg.linear, self.device, self.dtype)
         self.elementwise = resolve_cpu_kernel("elementwise", cfg.elementwise, self.device, self.dtype)
-        self.model.use_cpu_kernels(linear=self.linear == "cpp", elementwise=self.elementwise == "cpp")
+        self.model.use_cpu_kernels(linear=self.linear == "cpp", elementwise=self.elementwise == "cpp",
+                                   int8_activations=cfg.block_activations == "int8")
         if self.adapters is not None:       # the adapters' few-row products follow the linears' choice
             self.adapters.cpu_kernel = self.linear == "cpp"
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.adapters, self.attention,

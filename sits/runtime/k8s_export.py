@@ -98,6 +98,8 @@ def _container(spec: UnitSpec, model_path: str, opts: ExportOptions, notes: list
         args += ["--quantization", r.quantization]
     if r.gguf_weights != "auto":
         args += ["--gguf-weights", r.gguf_weights]
+    if r.block_activations != "fp32":
+        args += ["--block-activations", r.block_activations]
     if r.warmup is False:
         args += ["--no-warmup"]
     for adapter, path in spec.adapters.items():

@@ -97,6 +97,10 @@ class ResourcesSpec(_Strict):
     gguf_weights: Literal["auto", "blocks", "dequantize"] = Field(
         "auto", description="a GGUF's block-quantized weights (Q4_0 to Q8_0, Q4_K/Q5_K/Q6_K): served as the "
                             "file's blocks (fp32 on a CPU) or dequantized at load; auto: blocks where usable")
+    block_activations: Literal["fp32", "int8"] = Field(
+        "fp32", description="what those blocks multiply in decode: fp32 activations (the dequantized model's "
+                            "sums, to rounding) or int8 (quantized per block, integer dot products, as llama.cpp: "
+                            "faster, approximate)")
     policy: Literal["pfsd", "fcfs"] = "pfsd"
     warmup: bool | Literal["all", "minimal"] = Field(
         "all", description="warm-up at start: all serving shapes, minimal (one prefill, one decode), or false")
@@ -305,7 +309,8 @@ class UnitSpec(_Strict):
                             kv_cache_memory_mb=r.kv_cache_mb, max_model_len=r.max_model_len,
                             warmup=r.warmup is not False,
                             warmup_shapes="minimal" if r.warmup == "minimal" else "all",
-                            quantization=r.quantization, gguf_weights=r.gguf_weights, lora_adapters=tuple(self.adapters.items()),
+                            quantization=r.quantization, gguf_weights=r.gguf_weights,
+                            block_activations=r.block_activations, lora_adapters=tuple(self.adapters.items()),
                             enable_lora=r.lora, max_loras=r.max_loras, max_lora_rank=r.max_lora_rank)
 
     def render_prompt(self, user_input: str) -> str:

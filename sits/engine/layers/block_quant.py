@@ -8,6 +8,9 @@ read as they are and expanded on the fly by the C++ kernels of ``cpu_kernels``:
 
 - up to ``KERNEL_MAX_ROWS`` activation rows (decode): ``block_linear`` expands each 32 values in
   registers and uses them for every row at once (per group ``scale * sum(q x) + min * sum(x)``);
+  with ``int8_activations`` (``EngineConfig.block_activations``), up to ``INT8_MAX_ROWS`` rows are
+  quantized to 8 bits per block and multiplied with integer dot products, as llama.cpp does: faster
+  (no quant is widened to a float), approximate (x keeps 8 bits);
 - more rows (prefill): the weight is expanded ``DEQUANT_SLICE_VALUES`` values at a time to fp32, into a
   buffer reused across layers (it stays in the last-level cache), and multiplied by torch's matmul,
   which at many rows is faster than any loop over blocks;
@@ -35,6 +38,7 @@ from sits.engine.layers import cpu_kernels
 BLOCK_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24),
                "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
 KERNEL_MAX_ROWS = 32                # above it, expanded slices and torch's matmul (measured: docs/benchmarks.md)
+INT8_MAX_ROWS = 16                  # the integer kernel's rows (its registers' limit; above, fp32 as ever)
 DEQUANT_SLICE_VALUES = 1 << 21      # a prefill expands the weight this many values at a time (8 MB of fp32)
 
 
@@ -80,6 +84,7 @@ class BlockLinear(nn.Module):
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.register_buffer("blocks", weight.blocks)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.int8_activations = False   # decode rows quantized to 8 bits (``block_linear_int8``)
 
     @property
     def num_weights(self) -> int:
@@ -89,7 +94,9 @@ class BlockLinear(nn.Module):
         rows = x.numel() // self.in_features
         grad = torch.is_grad_enabled()
         if rows <= KERNEL_MAX_ROWS and x.dtype == torch.float32 and not grad:
-            return cpu_kernels.loaded().block_linear(x, self.blocks, self.type_id, self.in_features, self.bias)
+            kernels = cpu_kernels.loaded()
+            multiply = kernels.block_linear_int8 if self.int8_activations and rows <= INT8_MAX_ROWS else kernels.block_linear
+            return multiply(x, self.blocks, self.type_id, self.in_features, self.bias)
         step = max(1, DEQUANT_SLICE_VALUES // self.in_features)
         # without autograd the slices are expanded into one reused buffer (autograd keeps the weight)
         scratch = None if grad else _scratch(min(step, self.out_features) * self.in_features)
@@ -155,4 +162,6 @@ def fuse_block_linears(parts: list[nn.Module]) -> BlockLinear | None:
         return None
     blocks = torch.cat([p.blocks for p in parts])
     bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
-    return BlockLinear(BlockWeight(parts[0].qtype, blocks, parts[0].in_features), bias)
+    fused = BlockLinear(BlockWeight(parts[0].qtype, blocks, parts[0].in_features), bias)
+    fused.int8_activations = parts[0].int8_activations
+    return fused

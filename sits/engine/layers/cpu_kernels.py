@@ -122,22 +122,30 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype,
                            c10::optional<torch::Tensor> bias);
 torch::Tensor block_dequantize(torch::Tensor blocks, int64_t qtype, int64_t in_features,
                                c10::optional<torch::Tensor> out);
+%s
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_linear", &block_linear, py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("in_features"),
         py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("block_dequantize", &block_dequantize, py::arg("blocks"), py::arg("qtype"), py::arg("in_features"),
         py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
+  %s
 }
 """
+_INT8_DECLARATION = """torch::Tensor block_linear_int8(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t in_features,
+                                c10::optional<torch::Tensor> bias);"""
+_INT8_BINDING = """m.def("block_linear_int8", &block_linear_int8, py::arg("x"), py::arg("blocks"), py::arg("qtype"),
+        py::arg("in_features"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());"""
 
 
-def build_block_kernels(name: str, src: Path, build_dir: Path, cflags: tuple[str, ...] = CFLAGS):
-    """The block kernels alone (``block_linear``, ``block_dequantize``) built from ``src`` (a directory
-    holding ``block_quant_cpu.cpp`` and its headers) with ``cflags`` into ``build_dir``, not cached:
-    for checking the portable branch (flags without AVX2) or timing another revision's sources."""
+def build_block_kernels(name: str, src: Path, build_dir: Path, cflags: tuple[str, ...] = CFLAGS, int8: bool = True):
+    """The block kernels alone (``block_linear``, ``block_dequantize``, and ``block_linear_int8`` unless
+    ``int8`` is false: sources older than it lack it) built from ``src`` (a directory holding
+    ``block_quant_cpu.cpp`` and its headers) with ``cflags`` into ``build_dir``, not cached: for checking
+    the portable branch (flags without AVX2) or timing another revision's sources."""
     from torch.utils import cpp_extension
 
-    (build_dir / "block_binding.cpp").write_text(_BLOCK_BINDING)
+    binding = _BLOCK_BINDING % ((_INT8_DECLARATION, _INT8_BINDING) if int8 else ("", ""))
+    (build_dir / "block_binding.cpp").write_text(binding)
     bin_dir = os.path.dirname(sys.executable)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")

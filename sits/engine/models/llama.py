@@ -19,6 +19,7 @@ from sits.engine.config import ModelConfig
 from sits.engine.errors import UnsupportedModelError
 from sits.engine.layers import cpu_attention, cpu_kernels, paged_attention
 from sits.engine.layers.attention import decode_attention
+from sits.engine.layers.block_quant import BlockLinear
 from sits.engine.layers.linear import Linear, fuse_linears, use_cpu_kernel
 
 
@@ -358,15 +359,19 @@ class LlamaForCausalLM(nn.Module):
             h = layer.mlp(x)
         return self.model.norm.with_residual(h, residual)[0]
 
-    def use_cpu_kernels(self, linear: bool, elementwise: bool) -> None:
+    def use_cpu_kernels(self, linear: bool, elementwise: bool, int8_activations: bool = False) -> None:
         """Route the serving path's few-row matmuls (``linear``) and its norms with their residual adds
         and RoPE with the K/V store (``elementwise``) through the C++ CPU kernels (loaded:
-        ``cpu_kernels.kernel()``), or back to torch (``EngineConfig.linear`` and ``elementwise``). The
-        choice is the model's: engines sharing one model object in a process share the last one made."""
+        ``cpu_kernels.kernel()``), or back to torch (``EngineConfig.linear`` and ``elementwise``); a
+        GGUF's block layers take 8-bit activations in decode with ``int8_activations``
+        (``EngineConfig.block_activations``). The choice is the model's: engines sharing one model
+        object in a process share the last one made."""
         use_cpu_kernel(self, linear)
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention)):
                 m.cpu_kernel = elementwise
+            elif isinstance(m, BlockLinear):
+                m.int8_activations = int8_activations
 
     def fuse_projections(self) -> None:
         """Merge each layer's q/k/v and gate/up projections (one matmul each instead of 3 and 2)."""

@@ -8,6 +8,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
 torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t in_features,
                            c10::optional<torch::Tensor> bias);
+torch::Tensor block_linear_int8(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t in_features,
+                                c10::optional<torch::Tensor> bias);
 torch::Tensor block_dequantize(torch::Tensor blocks, int64_t qtype, int64_t in_features,
                                c10::optional<torch::Tensor> out);
 void lora_add(torch::Tensor x, torch::Tensor y, torch::Tensor A, torch::Tensor B, torch::Tensor row_slots);
@@ -25,6 +27,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("block_linear", &block_linear,
         "x @ W.T (+ bias) for fp32 rows, W as GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)",
+        py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("in_features"), py::arg("bias") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("block_linear_int8", &block_linear_int8,
+        "block_linear with the activations quantized to 8 bits per block and integer dot products (few rows)",
         py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("in_features"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("block_dequantize", &block_dequantize, "GGUF blocks (a type block_linear takes) as an fp32 [out, in] weight",

@@ -284,6 +284,208 @@ void few_rows_times_blocks(const float* x, const float* sx, int64_t M, int64_t K
     }
   }
 }
+
+// --- activations quantized to 8 bits (llama.cpp's arithmetic): integer dot products ---------------
+//
+// Each activation row is quantized per weight block (32 values, or a K-quant's 256) to int8 with one
+// scale: x ~ dx * xq. A block's dot product is then d * dx * sum_g sc_g * sum_i q_i xq_i (+ the mins'
+// term, min_g * dx * sum_i xq_i), its products summed as integers (maddubs, madd) and
+// turned into a float once per block, where the fp32 path widens every quant to a float and multiplies
+// it with an FMA per row. Approximate: x carries 8 bits, so outputs differ from the fp32 path's by
+// about the activations' rounding (opt-in; see block_quant.py). The mins' term takes the quantized x's
+// sums too (min_g * dx * sum(xq)), as llama.cpp's Q8_1 does: the two terms' errors then cancel.
+
+// A Q4_K/Q5_K block's eight 6-bit scales (bytes 0-7) and mins (bytes 8-15) unpacked at once (ggml's
+// utmp shuffle of get_scale_min_k4)
+inline void k_scales_mins(const uint8_t* s, uint8_t out[16]) {
+  constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+  uint32_t u[4];
+  std::memcpy(u, s, 12);
+  u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+  const uint32_t mins_low = u[1] & low6;
+  u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+  u[2] = mins_low;
+  u[0] &= low6;
+  std::memcpy(out, u, 16);
+}
+
+// Whether the integer kernel takes a type's quants as they are stored, unsigned, with a min (Q4_0 and
+// Q5_0 too: their offset, 8 or 16, is a min of -8 d or -16 d), or as signed bytes (Q8_0, Q6_K)
+constexpr bool int_signed(int64_t qtype) { return qtype == kQ8_0 || qtype == kQ6_K; }
+
+// A block's integer sub-scales (``sc``: two int16 per group, for its halves), its d, and for the 32-value
+// types with a min that min (the K-quants' mins go through ``k_scales_mins``)
+template <int64_t QT>
+inline float block_int_scales(const uint8_t* b, int16_t sc[], float& min) {
+  if constexpr (QT == kQ6_K) {
+    const int8_t* s = reinterpret_cast<const int8_t*>(b + 192);
+    for (int j = 0; j < 16; ++j) sc[j] = s[j];
+    return half_at(b + 208);
+  } else {
+    sc[0] = sc[1] = 1;
+    const float d = half_at(b);
+    min = block_type(QT).has_min ? half_at(b + 2) : QT == kQ4_0 ? -8.f * d : QT == kQ5_0 ? -16.f * d : 0.f;
+    return d;
+  }
+}
+
+// Group g's 32 quants as int8 in one register: as stored (unsigned) but for the int_signed types
+template <int64_t QT>
+inline __m256i group_bytes(const uint8_t* b, int g) {
+  const auto load32 = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  if constexpr (QT == kQ8_0) {
+    return load32(b + 2);
+  } else if constexpr (QT == kQ4_0 || QT == kQ5_0) {    // group_halves without the offset
+    const __m128i packed = load16(b + (QT == kQ5_0 ? 6 : 2)), nibble = _mm_set1_epi8(15);
+    __m128i lo = _mm_and_si128(packed, nibble), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+    if constexpr (QT == kQ5_0) {
+      lo = _mm_or_si128(lo, fifth_bits(b + 2, 0));
+      hi = _mm_or_si128(hi, fifth_bits(b + 2, 16));
+    }
+    return _mm256_set_m128i(hi, lo);
+  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    __m256i v = load32(b + (QT == kQ4_K ? 16 : 48) + 32 * (g / 2));
+    if (g % 2) v = _mm256_srli_epi16(v, 4);
+    v = _mm256_and_si256(v, _mm256_set1_epi8(15));
+    if constexpr (QT == kQ5_K)
+      v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(load32(b + 16), _mm_cvtsi32_si128(g)),
+                                                                 _mm256_set1_epi8(1)), 4));
+    return v;
+  } else if constexpr (QT == kQ6_K) {
+    const int h = g / 4, k = g % 4;
+    const __m256i low = _mm256_and_si256(_mm256_srl_epi16(load32(b + 64 * h + 32 * (k & 1)), _mm_cvtsi32_si128(4 * (k >> 1))),
+                                         _mm256_set1_epi8(15));
+    const __m256i high = _mm256_and_si256(_mm256_srl_epi16(load32(b + 128 + 32 * h), _mm_cvtsi32_si128(2 * k)),
+                                          _mm256_set1_epi8(3));
+    return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+  } else {
+    __m128i lo, hi;
+    group_halves<QT>(b, g, lo, hi);
+    return _mm256_set_m128i(hi, lo);
+  }
+}
+
+// y[r, n] = x[r, :] . W[n, :] for R (1 to 4) rows of int8 activations (``xq`` [R, K], their scales
+// ``dx`` [R, K / block values], their sums per 32 ``bsum`` [R, K / 32]; ``sx``: dx * bsum, for the
+// 32-value types with a min) and weight rows [n0, n1). The int_signed types take maddubs's unsigned
+// operand as |q| and move q's sign onto x (llama.cpp's mul_sum_i8_pairs). A K-quant block's products are summed as integers, each group's scaled by its
+// sub-scale (madd), and its mins' term is one madd of the mins with the row's sums.
+template <int64_t QT, int R>
+void rows_times_blocks_int8(const int8_t* xq, const float* dx, const int16_t* bsum, const float* sx, int64_t K,
+                            const uint8_t* blocks, int64_t row_bytes, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  constexpr BlockType T = block_type(QT);
+  constexpr int groups = T.values / kGroup;
+  constexpr bool is_signed = int_signed(QT), k_min = QT == kQ4_K || QT == kQ5_K, block_min = !is_signed && !k_min;
+  const int64_t nb = K / T.values, ng = K / kGroup;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* b = blocks + n * row_bytes;
+    __m256 acc[R];
+    __m128 acc_min[R];
+    float mins[R];
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm256_setzero_ps();
+      acc_min[r] = _mm_setzero_ps();
+      mins[r] = 0.f;
+    }
+    for (int64_t i = 0; i < nb; ++i, b += T.bytes) {
+      int16_t sc[2 * groups];
+      float min = 0.f, d;
+      uint8_t scales_mins[16];
+      if constexpr (k_min) {
+        k_scales_mins(b + 4, scales_mins);
+        d = half_at(b);
+        const __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales_mins + 8)));
+        const float dmin = half_at(b + 2);
+        for (int r = 0; r < R; ++r) {     // sum_g min_g * sum(x_g) = -dmin * dx * sum_g m_g * bsum_g
+          const __m128i bs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bsum + r * ng + i * groups));
+          acc_min[r] = _mm_fmadd_ps(_mm_set1_ps(-dmin * dx[r * nb + i]), _mm_cvtepi32_ps(_mm_madd_epi16(m16, bs)),
+                                    acc_min[r]);
+        }
+      } else {
+        d = block_int_scales<QT>(b, sc, min);
+      }
+      __m256i sum[R];
+      for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int g = 0; g < groups; ++g) {
+        const __m256i q = group_bytes<QT>(b, g);
+        __m256i scale;
+        if constexpr (k_min) scale = _mm256_set1_epi16(scales_mins[g]);
+        else scale = _mm256_set_m128i(_mm_set1_epi16(sc[2 * g + 1]), _mm_set1_epi16(sc[2 * g]));
+        const int64_t at = i * groups + g;
+        __m256i aq;
+        if constexpr (is_signed) aq = _mm256_sign_epi8(q, q);
+        for (int r = 0; r < R; ++r) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + at * kGroup));
+          const __m256i p = is_signed ? _mm256_maddubs_epi16(aq, _mm256_sign_epi8(xv, q)) : _mm256_maddubs_epi16(q, xv);
+          sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(p, scale));
+          if constexpr (block_min) mins[r] += min * sx[r * ng + at];
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_set1_ps(d * dx[r * nb + i]), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      __m128 m = _mm_add_ps(acc_min[r], _mm_movehl_ps(acc_min[r], acc_min[r]));
+      m = _mm_add_ss(m, _mm_movehdup_ps(m));
+      y[r * ldy + n] = few_rows::hsum(acc[r]) + mins[r] + _mm_cvtss_f32(m);
+    }
+  }
+}
+
+// Rows of x as int8 per block of V values: xq = round(x / dx), dx = max |x| / 127 (0 for a zero
+// block), and each 32 quants' sum (``bsum``)
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t V, int8_t* xq, float* dx, int16_t* bsum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t i = 0; i < K / V; ++i) {
+      const float* xb = x + r * K + i * V;
+      int8_t* qb = xq + r * K + i * V;
+      __m256 amax = _mm256_setzero_ps();
+      for (int64_t k = 0; k < V; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + k)));
+      __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+      m = _mm_max_ss(m, _mm_movehdup_ps(m));
+      const float d = _mm_cvtss_f32(m) / 127.f;
+      dx[r * (K / V) + i] = d;
+      const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+      for (int64_t k = 0; k < V; k += 32) {
+        __m256i v[4];
+        for (int j = 0; j < 4; ++j)
+          v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + k + 8 * j), inv));   // nearest, ties even
+        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        s4 = _mm_hadd_epi32(s4, s4);
+        bsum[(r * K + i * V + k) / kGroup] = static_cast<int16_t>(_mm_cvtsi128_si32(s4));
+        // pack 32-bit -> 16-bit -> 8-bit, then undo the packs' lane interleaving
+        const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + k),
+                            _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      }
+    }
+  }
+}
+
+template <int64_t QT>
+void few_rows_times_blocks_int8(const int8_t* xq, const float* dx, const int16_t* bsum, const float* sx, int64_t M,
+                                int64_t K, const uint8_t* blocks, int64_t row_bytes, float* y, int64_t ldy, int64_t n0,
+                                int64_t n1) {
+  const int64_t ng = K / kGroup, nb = K / block_type(QT).values;
+  for (int64_t r = 0; r < M; r += kRowsInRegisters) {
+    const int8_t* xr = xq + r * K;
+    const float* dr = dx + r * nb;
+    const int16_t* br = bsum + r * ng;
+    const float* sr = sx + r * ng;
+    float* yr = y + r * ldy;
+    switch (std::min<int64_t>(kRowsInRegisters, M - r)) {
+      case 1: rows_times_blocks_int8<QT, 1>(xr, dr, br, sr, K, blocks, row_bytes, yr, ldy, n0, n1); break;
+      case 2: rows_times_blocks_int8<QT, 2>(xr, dr, br, sr, K, blocks, row_bytes, yr, ldy, n0, n1); break;
+      case 3: rows_times_blocks_int8<QT, 3>(xr, dr, br, sr, K, blocks, row_bytes, yr, ldy, n0, n1); break;
+      default: rows_times_blocks_int8<QT, 4>(xr, dr, br, sr, K, blocks, row_bytes, yr, ldy, n0, n1); break;
+    }
+  }
+}
 #endif
 
 // one row of K values from its blocks: scale * q (+ min), a product and a sum as gguf rounds them
@@ -356,8 +558,9 @@ torch::Tensor block_dequantize(torch::Tensor blocks, int64_t qtype, int64_t in_f
 // x @ W.T (+ bias), W given as its blocks: the weight's rows split across the threads. With AVX2, up
 // to kInRegistersMaxRows rows each group is expanded in registers; above (and in a build without
 // AVX2), each thread expands a tile of about 16 KB of rows at a time and multiplies every row by it.
-torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t in_features,
-                           c10::optional<torch::Tensor> bias) {
+namespace {
+torch::Tensor blocks_times(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t in_features,
+                           c10::optional<torch::Tensor> bias, bool int8_activations) {
   const int64_t row_bytes = check_blocks(blocks, qtype, in_features), N = blocks.size(0), K = in_features;
   auto io = few_rows::rows_and_output(x, K, N);
   const int64_t M = io.rows.size(0);
@@ -366,6 +569,23 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype,
   float* yp = io.y.data_ptr<float>();
 #if defined(__AVX2__) && defined(__FMA__)
   if (M <= kInRegistersMaxRows) {
+    if (int8_activations) {
+      const int64_t V = block_type(qtype).values;
+      std::vector<int8_t> xq(M * K);
+      std::vector<float> dx(M * (K / V));
+      std::vector<int16_t> bsum(M * (K / kGroup));
+      std::vector<float> sxq(M * (K / kGroup));
+      quantize_rows(xp, M, K, V, xq.data(), dx.data(), bsum.data());
+      // the mins' term over the quantized x (dx * its sums), as llama.cpp's Q8_1: its errors cancel the quants'
+      for (int64_t i = 0; i < M * (K / kGroup); ++i) sxq[i] = dx[i * kGroup / V] * static_cast<float>(bsum[i]);
+      with_type(qtype, [&](auto qt) {
+        at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+          few_rows_times_blocks_int8<decltype(qt)::value>(xq.data(), dx.data(), bsum.data(), sxq.data(), M, K, bp,
+                                                          row_bytes, yp, N, n0, n1);
+        });
+      });
+      return few_rows::finish(io.y, bias, io.shape);
+    }
     const int64_t sums = block_type(qtype).has_min ? M * (K / kGroup) : 0;   // each row's sum per group
     std::vector<float> sx(std::max<int64_t>(sums, 1));
     for (int64_t i = 0; i < sums; ++i) {
@@ -394,4 +614,17 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype,
     });
   });
   return few_rows::finish(io.y, bias, io.shape);
+}
+}  // namespace
+
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t in_features,
+                           c10::optional<torch::Tensor> bias) {
+  return blocks_times(x, blocks, qtype, in_features, bias, false);
+}
+
+// As block_linear, the activations quantized to 8 bits per block for up to kInRegistersMaxRows rows
+// (with AVX2; otherwise, and above, block_linear's fp32 arithmetic)
+torch::Tensor block_linear_int8(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t in_features,
+                                c10::optional<torch::Tensor> bias) {
+  return blocks_times(x, blocks, qtype, in_features, bias, true);
 }
