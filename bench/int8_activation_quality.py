@@ -2,8 +2,9 @@
 blocks with fp32 activations and against the weights dequantized at load (the reference).
 
 Teacher-forced over windows of ``sits/data/corpus.txt``: every position's next-token distribution,
-with each block layer taking its rows 16 at a time, as a decode step does (an 8-bit row is quantized
-on its own, so splitting the rows changes nothing but which kernel runs). Prints each variant's
+with each block layer taking its rows 32 at a time (``INT8_MAX_ROWS``), as a step of decodes does
+(an 8-bit row is quantized on its own, so splitting the rows changes nothing but which kernel runs).
+Prints each variant's
 perplexity, and int8 against fp32: mean KL divergence, top-1 agreement, the largest change of a
 log-probability. Then greedy generations from chat prompts through the engine, fp32 vs int8: how many
 come out identical and where the others first part.
@@ -83,6 +84,9 @@ def main(model: str, windows: int = 4, tokens: int = 256) -> None:
         print(f"| {label} | {torch.tensor(statistics.fmean(v)).exp().item():.3f} |")
     print(f"\nint8 vs fp32: mean KL {statistics.fmean(kl):.2e} nats, top-1 agreement {statistics.fmean(agree):.4f}, "
           f"largest change of the fp32 top token's log-probability {worst:.3f}")
+    for m in blocks.model.modules():        # back to the engine's own choice: fp32 activations
+        if isinstance(m, BlockLinear):
+            m.int8_activations = False
     int8 = _engine(model, block_activations="int8")
     params = SamplingParams(max_tokens=48, temperature=0.0)
     chats = [blocks.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]

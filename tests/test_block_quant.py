@@ -109,18 +109,18 @@ def _int8_rows(x: torch.Tensor, values: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 16, 17, 32, 33])
 @pytest.mark.parametrize("out_f, blocks", [(1, 1), (67, 3), (300, 18)])
 def test_int8_activations_are_a_matmul_over_the_quantized_rows(kernel, qtype, rows, out_f, blocks):
-    """``block_linear_int8``: up to 16 rows, the integer dot products equal the dequantized weight times
+    """``block_linear_int8``: up to 32 rows, the integer dot products equal the dequantized weight times
     the rows quantized per block to rounding; above, it is ``block_linear``'s fp32 arithmetic."""
     in_f = _cols(qtype, blocks)
     bw, w = _blocks(qtype, out_f, in_f, seed=rows + out_f)
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_f, generator=g) * torch.rand(1, in_f, generator=g) * 3     # uneven channels
-    x[0, :32] = 0                                                                       # a zero block
-    bias = torch.randn(out_f, generator=g)
     type_id, values = BLOCK_TYPES[qtype.name][:2]
+    x[0, :values] = 0                                                                   # a zero block
+    bias = torch.randn(out_f, generator=g)
     got = kernel.block_linear_int8(x, bw.blocks, type_id, in_f, bias)
     if rows > block_quant.INT8_MAX_ROWS:
         assert torch.equal(got, kernel.block_linear(x, bw.blocks, type_id, in_f, bias))
@@ -252,7 +252,8 @@ def test_an_engine_serves_a_gguf_from_its_blocks_as_from_dequantized_weights(ker
 
 def test_an_engine_with_int8_activations_decodes_through_the_integer_kernel(kernel, gguf_files, monkeypatch):
     """``block_activations: int8`` (engine, unit spec, its pod's arguments): the block layers take the
-    integer kernel for a step's few rows; generation runs; an fp32 engine never calls it."""
+    integer kernel for a step's few rows, its logits near the fp32 engine's; generation runs; an fp32
+    engine never calls it."""
     from sits.runtime.k8s_export import export_unit
     from sits.runtime.unit_spec import UnitSpec
 
@@ -260,8 +261,12 @@ def test_an_engine_with_int8_activations_decodes_through_the_integer_kernel(kern
     calls = []
     real = kernel.block_linear_int8
     monkeypatch.setattr(kernel, "block_linear_int8", lambda *a: calls.append(a[2]) or real(*a))
+    logits = {}
+    ids = torch.tensor([[1] + list(range(3, 30))])       # 28 rows: the integer kernel's in int8
     for mode in ("fp32", "int8"):
         eng = _engine(path, block_activations=mode)
+        with torch.inference_mode():
+            logits[mode] = eng.model.forward_dense(ids)[0]
         blocks = [m for m in eng.model.modules() if isinstance(m, BlockLinear)]
         assert blocks and all(m.int8_activations == (mode == "int8") for m in blocks)
         g = torch.Generator().manual_seed(5)
@@ -269,6 +274,8 @@ def test_an_engine_with_int8_activations_decodes_through_the_integer_kernel(kern
         assert [len(o) for o in greedy_mixed(eng, prompts, 8)] == [8, 8]
         assert bool(calls) == (mode == "int8")
     assert {BLOCK_TYPES[t][0] for t in ("Q4_K", "Q5_K", "Q6_K", "Q5_0")} <= set(calls)
+    off = (logits["int8"] - logits["fp32"]).norm() / logits["fp32"].norm()
+    assert 0 < off < 0.05
     with pytest.raises(ValueError):
         EngineConfig(model=path, block_activations="int4")
     spec = UnitSpec.model_validate({"name": "k", "model": path, "resources": {"block_activations": "int8"}})

@@ -19,9 +19,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a GGUF's block-quantized weights (Q4_0 to Q8_0, Q4_K, Q5_K, Q6_K): served as the file's "
                         "blocks (fp32 on a CPU), or dequantized at load; auto: blocks where usable")
     p.add_argument("--block-activations", default="fp32", choices=["fp32", "int8"],
-                   help="what those blocks multiply in decode: fp32 activations (the dequantized model's "
-                        "sums, to rounding) or int8 (quantized per block, integer dot products, as "
-                        "llama.cpp: faster, approximate) (default: fp32)")
+                   help="what those blocks multiply in a step of up to 32 rows (decodes, short prefills): "
+                        "fp32 activations (the dequantized model's sums, to rounding) or int8 (quantized per "
+                        "block, integer dot products, as llama.cpp: faster, approximate) (default: fp32)")
     p.add_argument("--quantization", default=None, choices=["int8"],
                    help="quantize the projections' weights at load: int8 (per-channel, weight-only; half the "
                         "memory of bf16) (default: none)")

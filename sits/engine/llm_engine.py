@@ -196,6 +196,9 @@ class LLMEngine:
         self.elementwise = resolve_cpu_kernel("elementwise", cfg.elementwise, self.device, self.dtype)
         self.model.use_cpu_kernels(linear=self.linear == "cpp", elementwise=self.elementwise == "cpp",
                                    int8_activations=cfg.block_activations == "int8")
+        if cfg.block_activations == "int8" and not self.gguf_blocks:
+            log.warning("block_activations int8 has no effect: %s serves no GGUF blocks (fp32 CPU engines only)",
+                        cfg.model)
         if self.adapters is not None:       # the adapters' few-row products follow the linears' choice
             self.adapters.cpu_kernel = self.linear == "cpp"
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.adapters, self.attention,

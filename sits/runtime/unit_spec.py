@@ -98,9 +98,9 @@ class ResourcesSpec(_Strict):
         "auto", description="a GGUF's block-quantized weights (Q4_0 to Q8_0, Q4_K/Q5_K/Q6_K): served as the "
                             "file's blocks (fp32 on a CPU) or dequantized at load; auto: blocks where usable")
     block_activations: Literal["fp32", "int8"] = Field(
-        "fp32", description="what those blocks multiply in decode: fp32 activations (the dequantized model's "
-                            "sums, to rounding) or int8 (quantized per block, integer dot products, as llama.cpp: "
-                            "faster, approximate)")
+        "fp32", description="what those blocks multiply in a step of up to 32 rows (decodes, short prefills): "
+                            "fp32 activations (the dequantized model's sums, to rounding) or int8 (quantized per "
+                            "block, integer dot products, as llama.cpp: faster, approximate)")
     policy: Literal["pfsd", "fcfs"] = "pfsd"
     warmup: bool | Literal["all", "minimal"] = Field(
         "all", description="warm-up at start: all serving shapes, minimal (one prefill, one decode), or false")

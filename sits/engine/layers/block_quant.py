@@ -38,7 +38,7 @@ from sits.engine.layers import cpu_kernels
 BLOCK_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24),
                "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
 KERNEL_MAX_ROWS = 32                # above it, expanded slices and torch's matmul (measured: docs/benchmarks.md)
-INT8_MAX_ROWS = 16                  # the integer kernel's rows (its registers' limit; above, fp32 as ever)
+INT8_MAX_ROWS = KERNEL_MAX_ROWS     # the integer kernel's rows (above them a prefill's: fp32 as ever)
 DEQUANT_SLICE_VALUES = 1 << 21      # a prefill expands the weight this many values at a time (8 MB of fp32)
 
 
@@ -95,7 +95,8 @@ class BlockLinear(nn.Module):
         grad = torch.is_grad_enabled()
         if rows <= KERNEL_MAX_ROWS and x.dtype == torch.float32 and not grad:
             kernels = cpu_kernels.loaded()
-            multiply = kernels.block_linear_int8 if self.int8_activations and rows <= INT8_MAX_ROWS else kernels.block_linear
+            int8 = self.int8_activations and rows <= INT8_MAX_ROWS
+            multiply = kernels.block_linear_int8 if int8 else kernels.block_linear
             return multiply(x, self.blocks, self.type_id, self.in_features, self.bias)
         step = max(1, DEQUANT_SLICE_VALUES // self.in_features)
         # without autograd the slices are expanded into one reused buffer (autograd keeps the weight)

@@ -363,7 +363,7 @@ class LlamaForCausalLM(nn.Module):
         """Route the serving path's few-row matmuls (``linear``) and its norms with their residual adds
         and RoPE with the K/V store (``elementwise``) through the C++ CPU kernels (loaded:
         ``cpu_kernels.kernel()``), or back to torch (``EngineConfig.linear`` and ``elementwise``); a
-        GGUF's block layers take 8-bit activations in decode with ``int8_activations``
+        GGUF's block layers take 8-bit activations in steps of up to 32 rows with ``int8_activations``
         (``EngineConfig.block_activations``). The choice is the model's: engines sharing one model
         object in a process share the last one made."""
         use_cpu_kernel(self, linear)

@@ -33,6 +33,9 @@ constexpr int64_t kGroup = 32;
 // expanded once into a buffer for all rows
 constexpr int64_t kInRegistersMaxRows = 16;
 constexpr int64_t kRowsInRegisters = 4;
+// the integer kernel's rows (4 at a time, as the fp32 one; it stays ahead of an expanded tile up to
+// the block layer's kernel limit, block_quant.KERNEL_MAX_ROWS)
+constexpr int64_t kInt8MaxRows = 32;
 
 struct BlockType {
   int64_t values, bytes;
@@ -353,8 +356,8 @@ inline __m256i group_bytes(const uint8_t* b, int g) {
     return v;
   } else if constexpr (QT == kQ6_K) {
     const int h = g / 4, k = g % 4;
-    const __m256i low = _mm256_and_si256(_mm256_srl_epi16(load32(b + 64 * h + 32 * (k & 1)), _mm_cvtsi32_si128(4 * (k >> 1))),
-                                         _mm256_set1_epi8(15));
+    const __m256i ql = load32(b + 64 * h + 32 * (k & 1));
+    const __m256i low = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (k >> 1))), _mm256_set1_epi8(15));
     const __m256i high = _mm256_and_si256(_mm256_srl_epi16(load32(b + 128 + 32 * h), _mm_cvtsi32_si128(2 * k)),
                                           _mm256_set1_epi8(3));
     return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
@@ -368,8 +371,9 @@ inline __m256i group_bytes(const uint8_t* b, int g) {
 // y[r, n] = x[r, :] . W[n, :] for R (1 to 4) rows of int8 activations (``xq`` [R, K], their scales
 // ``dx`` [R, K / block values], their sums per 32 ``bsum`` [R, K / 32]; ``sx``: dx * bsum, for the
 // 32-value types with a min) and weight rows [n0, n1). The int_signed types take maddubs's unsigned
-// operand as |q| and move q's sign onto x (llama.cpp's mul_sum_i8_pairs). A K-quant block's products are summed as integers, each group's scaled by its
-// sub-scale (madd), and its mins' term is one madd of the mins with the row's sums.
+// operand as |q| and move q's sign onto x (llama.cpp's mul_sum_i8_pairs). A K-quant block's products
+// are summed as integers, each group's scaled by its sub-scale (madd), and its mins' term is one madd
+// of the mins with the row's sums.
 template <int64_t QT, int R>
 void rows_times_blocks_int8(const int8_t* xq, const float* dx, const int16_t* bsum, const float* sx, int64_t K,
                             const uint8_t* blocks, int64_t row_bytes, float* y, int64_t ldy, int64_t n0, int64_t n1) {
@@ -413,11 +417,10 @@ void rows_times_blocks_int8(const int8_t* xq, const float* dx, const int16_t* bs
         if constexpr (k_min) scale = _mm256_set1_epi16(scales_mins[g]);
         else scale = _mm256_set_m128i(_mm_set1_epi16(sc[2 * g + 1]), _mm_set1_epi16(sc[2 * g]));
         const int64_t at = i * groups + g;
-        __m256i aq;
-        if constexpr (is_signed) aq = _mm256_sign_epi8(q, q);
+        const __m256i aq = is_signed ? _mm256_sign_epi8(q, q) : q;     // |q|: maddubs's unsigned operand
         for (int r = 0; r < R; ++r) {
           const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + at * kGroup));
-          const __m256i p = is_signed ? _mm256_maddubs_epi16(aq, _mm256_sign_epi8(xv, q)) : _mm256_maddubs_epi16(q, xv);
+          const __m256i p = _mm256_maddubs_epi16(aq, is_signed ? _mm256_sign_epi8(xv, q) : xv);
           sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(p, scale));
           if constexpr (block_min) mins[r] += min * sx[r * ng + at];
         }
@@ -568,24 +571,24 @@ torch::Tensor blocks_times(torch::Tensor x, torch::Tensor blocks, int64_t qtype,
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* yp = io.y.data_ptr<float>();
 #if defined(__AVX2__) && defined(__FMA__)
-  if (M <= kInRegistersMaxRows) {
-    if (int8_activations) {
-      const int64_t V = block_type(qtype).values;
-      std::vector<int8_t> xq(M * K);
-      std::vector<float> dx(M * (K / V));
-      std::vector<int16_t> bsum(M * (K / kGroup));
-      std::vector<float> sxq(M * (K / kGroup));
-      quantize_rows(xp, M, K, V, xq.data(), dx.data(), bsum.data());
-      // the mins' term over the quantized x (dx * its sums), as llama.cpp's Q8_1: its errors cancel the quants'
-      for (int64_t i = 0; i < M * (K / kGroup); ++i) sxq[i] = dx[i * kGroup / V] * static_cast<float>(bsum[i]);
-      with_type(qtype, [&](auto qt) {
-        at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-          few_rows_times_blocks_int8<decltype(qt)::value>(xq.data(), dx.data(), bsum.data(), sxq.data(), M, K, bp,
-                                                          row_bytes, yp, N, n0, n1);
-        });
+  if (int8_activations && M <= kInt8MaxRows) {
+    const int64_t V = block_type(qtype).values;
+    std::vector<int8_t> xq(M * K);
+    std::vector<float> dx(M * (K / V));
+    std::vector<int16_t> bsum(M * (K / kGroup));
+    std::vector<float> sxq(M * (K / kGroup));
+    quantize_rows(xp, M, K, V, xq.data(), dx.data(), bsum.data());
+    // the mins' term over the quantized x (dx * its sums), as llama.cpp's Q8_1: its errors cancel the quants'
+    for (int64_t i = 0; i < M * (K / kGroup); ++i) sxq[i] = dx[i * kGroup / V] * static_cast<float>(bsum[i]);
+    with_type(qtype, [&](auto qt) {
+      at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+        few_rows_times_blocks_int8<decltype(qt)::value>(xq.data(), dx.data(), bsum.data(), sxq.data(), M, K, bp,
+                                                        row_bytes, yp, N, n0, n1);
       });
-      return few_rows::finish(io.y, bias, io.shape);
-    }
+    });
+    return few_rows::finish(io.y, bias, io.shape);
+  }
+  if (M <= kInRegistersMaxRows) {
     const int64_t sums = block_type(qtype).has_min ? M * (K / kGroup) : 0;   // each row's sum per group
     std::vector<float> sx(std::max<int64_t>(sums, 1));
     for (int64_t i = 0; i < sums; ++i) {
@@ -622,7 +625,7 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype,
   return blocks_times(x, blocks, qtype, in_features, bias, false);
 }
 
-// As block_linear, the activations quantized to 8 bits per block for up to kInRegistersMaxRows rows
+// As block_linear, the activations quantized to 8 bits per block for up to kInt8MaxRows rows
 // (with AVX2; otherwise, and above, block_linear's fp32 arithmetic)
 torch::Tensor block_linear_int8(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t in_features,
                                 c10::optional<torch::Tensor> bias) {
