@@ -14,9 +14,14 @@ import pytest
 from sits.api.context import ServerSettings
 
 
+# a request that outlasts any timeout below on a fast host too: the tiny model's whole context
+LONG = dict(max_model_len=2048)
+LONG_TOKENS = 2000
+
+
 @pytest.fixture(scope="module")
 def server(serve_tiny):
-    return serve_tiny(kv_cache_memory_mb=64)
+    return serve_tiny(kv_cache_memory_mb=64, **LONG)
 
 
 def _backend(srv):
@@ -90,12 +95,12 @@ def test_non_streaming_client_that_leaves_frees_its_blocks(server):
     _wait_idle(server)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", timeout=0.3,
-                   json={"model": "tiny", "prompt": "wait for me", "max_tokens": 200, "ignore_eos": True})
+                   json={"model": "tiny", "prompt": "wait for me", "max_tokens": LONG_TOKENS, "ignore_eos": True})
     _wait_idle(server, timeout=5)
 
 
 def test_shutdown_tells_streams_why_they_end(serve_tiny):
-    srv = serve_tiny(ServerSettings(drain_grace_s=0.3))
+    srv = serve_tiny(ServerSettings(drain_grace_s=0.3), **LONG)
     events: list[str] = []
     going = threading.Event()          # two chunks delivered: the stream is really under way
     failed: list[BaseException] = []
@@ -103,7 +108,7 @@ def test_shutdown_tells_streams_why_they_end(serve_tiny):
     def reader():
         try:
             with httpx.stream("POST", srv.url + "/v1/completions", timeout=30,
-                              json={"model": "tiny", "prompt": "never ending", "max_tokens": 240,
+                              json={"model": "tiny", "prompt": "never ending", "max_tokens": LONG_TOKENS,
                                     "stream": True, "ignore_eos": True}) as r:
                 for ln in r.iter_lines():
                     if ln.startswith("data: "):
@@ -133,7 +138,7 @@ def test_a_dead_instance_ends_its_streams_with_a_reason(serve_tiny):
     stay in front of a dead engine (it is restarted, and serves again)."""
     import os
     import signal
-    srv = serve_tiny(ServerSettings(drain_grace_s=0.3))
+    srv = serve_tiny(ServerSettings(drain_grace_s=0.3), **LONG)
     backend = _backend(srv)
     events: list[str] = []
     with httpx.stream("POST", srv.url + "/v1/completions", timeout=30,
@@ -158,7 +163,7 @@ def test_the_instance_ignores_a_terminal_ctrl_c(serve_tiny):
     """SIGINT reaches the whole process group on Ctrl-C; the engine must outlive it so the server can drain."""
     import os
     import signal
-    srv = serve_tiny(ServerSettings(drain_grace_s=0.3))
+    srv = serve_tiny(ServerSettings(drain_grace_s=0.3), **LONG)
     backend = _backend(srv)
     os.kill(backend.pid, signal.SIGINT)
     time.sleep(0.3)
