@@ -303,9 +303,10 @@ class EngineConfig:
     gguf_weights: str = "auto"           # a GGUF's block-quantized weights: "blocks" (kept as the file's blocks,
                                          # multiplied in place by the C++ CPU kernels; fp32 on a CPU) or
                                          # "dequantize" (to the compute dtype at load); auto: blocks where usable
-    block_activations: str = "fp32"      # what those blocks multiply in steps of <= 32 rows: "fp32" activations (the
-                                         # dequantized model's sums, to rounding) or "int8" (quantized per
-                                         # block, integer dot products: llama.cpp's arithmetic, faster, approximate)
+    block_activations: str = "fp32"      # what those blocks multiply in steps of <= 32 rows: "fp32"
+                                         # activations (the dequantized model's sums, to rounding) or "int8"
+                                         # (quantized per block, integer dot products: llama.cpp's
+                                         # arithmetic, faster, approximate)
 
     @property
     def lora_enabled(self) -> bool:

@@ -84,7 +84,7 @@ class BlockLinear(nn.Module):
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.register_buffer("blocks", weight.blocks)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-        self.int8_activations = False   # decode rows quantized to 8 bits (``block_linear_int8``)
+        self.int8_activations = False   # a step's rows quantized to 8 bits (``block_linear_int8``)
 
     @property
     def num_weights(self) -> int:

@@ -131,7 +131,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   %s
 }
 """
-_INT8_DECLARATION = """torch::Tensor block_linear_int8(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t in_features,
+_INT8_DECLARATION = """
+torch::Tensor block_linear_int8(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t in_features,
                                 c10::optional<torch::Tensor> bias);"""
 _INT8_BINDING = """m.def("block_linear_int8", &block_linear_int8, py::arg("x"), py::arg("blocks"), py::arg("qtype"),
         py::arg("in_features"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());"""

@@ -291,12 +291,12 @@ void few_rows_times_blocks(const float* x, const float* sx, int64_t M, int64_t K
 // --- activations quantized to 8 bits (llama.cpp's arithmetic): integer dot products ---------------
 //
 // Each activation row is quantized per weight block (32 values, or a K-quant's 256) to int8 with one
-// scale: x ~ dx * xq. A block's dot product is then d * dx * sum_g sc_g * sum_i q_i xq_i (+ the mins'
-// term, min_g * dx * sum_i xq_i), its products summed as integers (maddubs, madd) and
-// turned into a float once per block, where the fp32 path widens every quant to a float and multiplies
-// it with an FMA per row. Approximate: x carries 8 bits, so outputs differ from the fp32 path's by
-// about the activations' rounding (opt-in; see block_quant.py). The mins' term takes the quantized x's
-// sums too (min_g * dx * sum(xq)), as llama.cpp's Q8_1 does: the two terms' errors then cancel.
+// scale: x ~ dx * xq. A block's dot product is then d * dx * sum_g sc_g * sum_i q_i xq_i, its products
+// summed as integers (maddubs, madd) and turned into a float once per block, where the fp32 path
+// widens every quant to a float and multiplies it with an FMA per row. The mins' term is
+// min_g * dx * sum_i xq_i: over the quantized x as well, as llama.cpp's Q8_1 does, so the two terms'
+// errors cancel. Approximate: x carries 8 bits, so outputs differ from the fp32 path's by about the
+// activations' rounding (opt-in; see block_quant.py).
 
 // A Q4_K/Q5_K block's eight 6-bit scales (bytes 0-7) and mins (bytes 8-15) unpacked at once (ggml's
 // utmp shuffle of get_scale_min_k4)
@@ -559,8 +559,9 @@ torch::Tensor block_dequantize(torch::Tensor blocks, int64_t qtype, int64_t in_f
 }
 
 // x @ W.T (+ bias), W given as its blocks: the weight's rows split across the threads. With AVX2, up
-// to kInRegistersMaxRows rows each group is expanded in registers; above (and in a build without
-// AVX2), each thread expands a tile of about 16 KB of rows at a time and multiplies every row by it.
+// to kInRegistersMaxRows rows each group is expanded in registers (with int8_activations, up to
+// kInt8MaxRows rows take the integer kernel); above (and in a build without AVX2), each thread
+// expands a tile of about 16 KB of rows at a time and multiplies every row by it.
 namespace {
 torch::Tensor blocks_times(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t in_features,
                            c10::optional<torch::Tensor> bias, bool int8_activations) {
