@@ -38,6 +38,18 @@ def add_bench_command(subparsers: argparse._SubParsersAction, name: str, help: s
     return p
 
 
+def print_summary(name: str, run) -> int:
+    """A benchmark's command: ``run()``'s result summary printed as JSON (exit 0), or the ValueError
+    it refused with as one line (exit 2)."""
+    try:
+        result = run()
+    except ValueError as e:
+        print(f"sits bench {name}: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result["summary"], indent=2))
+    return 0
+
+
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 

@@ -28,12 +28,11 @@ new tokens over wall time for ``generate``.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 
-from sits.bench.common import add_bench_command, grouped_bars, publish
+from sits.bench.common import add_bench_command, grouped_bars, print_summary, publish
 from sits.bench.common import log as _log
 from sits.bench.engine_bench import Hardware
 from sits.bench.hf_baseline import hf_decode_tok_s, load_hf_causal_lm, vocab_size
@@ -195,23 +194,10 @@ def _plot(result: dict, path) -> None:
 
 
 def _cli(args: argparse.Namespace) -> int:
-    import sys
-
-    try:
-        result = _run_cli(args)
-    except ValueError as e:
-        print(f"sits bench step: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(result["summary"], indent=2))
-    return 0
-
-
-def _run_cli(args: argparse.Namespace) -> dict:
-    return run_step_bench(args.model, device=args.device, dtype=args.dtype,
-                          batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")), context=args.context,
-                          steps=args.steps, repeats=args.repeats, hf=not args.no_hf, threads=args.threads,
-                          json_out=args.json, docs_out=args.write_docs,
-                          only=tuple(p for p in args.paths.split(",") if p))
+    return print_summary("step", lambda: run_step_bench(
+        args.model, device=args.device, dtype=args.dtype,
+        batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")), context=args.context, steps=args.steps, repeats=args.repeats, hf=not args.no_hf, threads=args.threads,
+        json_out=args.json, docs_out=args.write_docs, only=tuple(p for p in args.paths.split(",") if p)))
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:

@@ -6,7 +6,7 @@ import argparse
 
 _MODULES = ("engine_bench", "dtype_bench", "coldstart_bench", "tracing_bench", "guided_bench", "prefetch_bench",
             "sampler_bench", "serve_bench", "wire_bench", "fairness_bench", "tenancy_bench", "lora_bench",
-            "finetune_bench", "mesh_bench", "ray_bench", "step_bench", "standby_bench")
+            "finetune_bench", "mesh_bench", "ray_bench", "step_bench", "standby_bench", "peer_bench")
 
 
 def register(sub: argparse._SubParsersAction, full: bool = True) -> None:
