@@ -66,7 +66,7 @@ def run_peer_bench(model: str, llama_dir: str, streams: tuple[int, ...] = (1, 4,
                    activations: tuple[str, ...] = ("fp32", "int8"), context: int = 64, steps: int = 32,
                    repeats: int = 3, threads: int | None = None, json_out: str | None = None,
                    docs_out: str | None = None) -> dict:
-    from sits.bench.step_bench import _step_times, available_paths
+    from sits.bench.step_bench import decode_step_times, available_paths
 
     if unknown := [a for a in activations if a not in _PATHS]:
         raise ValueError(f"activations {', '.join(unknown)}: fp32 or int8")
@@ -85,7 +85,7 @@ def run_peer_bench(model: str, llama_dir: str, streams: tuple[int, ...] = (1, 4,
                         runs[who][n].append(tok_s)
             else:
                 for n in streams:
-                    runs[who][n].append(_step_times(model, hw, _PATHS[who], n, context, steps, seed=r)["tok_s"])
+                    runs[who][n].append(decode_step_times(model, hw, _PATHS[who], n, context, steps, seed=r)["tok_s"])
             log(f"peer: run {r + 1}/{repeats}: {who} " + ", ".join(f"{n}: {runs[who][n][-1]:.1f} tok/s"
                                                                      for n in streams if runs[who][n]))
     rows = {}

@@ -70,7 +70,10 @@ def available_paths(device: str, model: str | None = None, dtype: str = "float32
     return ["reference"]
 
 
-def _step_times(model: str, hw: Hardware, path: str, batch: int, context: int, steps: int, seed: int) -> dict:
+def decode_step_times(model: str, hw: Hardware, path: str, batch: int, context: int, steps: int, seed: int) -> dict:
+    """One engine on ``path``: ``batch`` sequences prefilled with ``context`` random tokens, then
+    ``steps`` decode steps timed one by one: the median step (ms), ``batch`` over it (tok/s) and what
+    capturing decode graphs added to the start (ms)."""
     from sits.engine.config import EngineConfig
     from sits.engine.llm_engine import LLMEngine
 
@@ -127,7 +130,7 @@ def run_step_bench(model: str, device: str = "cpu", dtype: str = "bfloat16", bat
         by_path: dict[str, list[dict]] = {p: [] for p in paths}
         for r in range(repeats):
             for path in (paths if r % 2 == 0 else paths[::-1]):
-                by_path[path].append(_step_times(model, hw, path, batch, context, steps, seed=r))
+                by_path[path].append(decode_step_times(model, hw, path, batch, context, steps, seed=r))
                 _log(f"step: batch {batch}, run {r + 1}/{repeats}: {path} {by_path[path][-1]['step_ms']:.2f} ms/step")
         for path in paths:
             runs = by_path[path]
@@ -196,7 +199,8 @@ def _plot(result: dict, path) -> None:
 def _cli(args: argparse.Namespace) -> int:
     return print_summary("step", lambda: run_step_bench(
         args.model, device=args.device, dtype=args.dtype,
-        batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")), context=args.context, steps=args.steps, repeats=args.repeats, hf=not args.no_hf, threads=args.threads,
+        batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")), context=args.context, steps=args.steps,
+        repeats=args.repeats, hf=not args.no_hf, threads=args.threads,
         json_out=args.json, docs_out=args.write_docs, only=tuple(p for p in args.paths.split(",") if p)))
 
 

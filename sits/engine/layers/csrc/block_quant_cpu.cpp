@@ -169,8 +169,9 @@ inline __m128i byte_bits(__m128i v, int bits, int mask) {
 inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 
 // Group g's quants as int8, values 0-15 in ``lo`` and 16-31 in ``hi``, as group_ints (all but Q8_0,
-// whose bytes are the quants already). 128-bit halves: no lane-crossing shuffle to split a 256-bit one.
-template <int64_t QT>
+// whose bytes are the quants already; ``offset`` false: Q4_0's and Q5_0's as stored, their 8 or 16 not
+// taken off). 128-bit halves: no lane-crossing shuffle to split a 256-bit one.
+template <int64_t QT, bool offset = true>
 inline void group_halves(const uint8_t* b, int g, __m128i& lo, __m128i& hi) {
   if constexpr (QT == kQ4_K || QT == kQ5_K) {     // 32 bytes at once, then split
     const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (QT == kQ4_K ? 16 : 48) + 32 * (g / 2)));
@@ -185,11 +186,11 @@ inline void group_halves(const uint8_t* b, int g, __m128i& lo, __m128i& hi) {
   } else if constexpr (QT == kQ6_K) {
     const int h = g / 4, k = g % 4;
     const uint8_t *ql = b + 64 * h + 32 * (k & 1), *qh = b + 128 + 32 * h;
-    const __m128i offset = _mm_set1_epi8(32);
+    const __m128i by = _mm_set1_epi8(32);
     lo = _mm_sub_epi8(_mm_or_si128(byte_bits(load16(ql), 4 * (k >> 1), 15),
-                                   _mm_slli_epi16(byte_bits(load16(qh), 2 * k, 3), 4)), offset);
+                                   _mm_slli_epi16(byte_bits(load16(qh), 2 * k, 3), 4)), by);
     hi = _mm_sub_epi8(_mm_or_si128(byte_bits(load16(ql + 16), 4 * (k >> 1), 15),
-                                   _mm_slli_epi16(byte_bits(load16(qh + 16), 2 * k, 3), 4)), offset);
+                                   _mm_slli_epi16(byte_bits(load16(qh + 16), 2 * k, 3), 4)), by);
   } else {
     constexpr bool five = QT == kQ5_0 || QT == kQ5_1;
     const uint8_t* qs = b + (block_type(QT).has_min ? 4 : 2) + (five ? 4 : 0);
@@ -200,10 +201,10 @@ inline void group_halves(const uint8_t* b, int g, __m128i& lo, __m128i& hi) {
       lo = _mm_or_si128(lo, fifth_bits(qs - 4, 0));
       hi = _mm_or_si128(hi, fifth_bits(qs - 4, 16));
     }
-    if constexpr (QT == kQ4_0 || QT == kQ5_0) {
-      const __m128i offset = _mm_set1_epi8(QT == kQ4_0 ? 8 : 16);
-      lo = _mm_sub_epi8(lo, offset);
-      hi = _mm_sub_epi8(hi, offset);
+    if constexpr (offset && (QT == kQ4_0 || QT == kQ5_0)) {
+      const __m128i by = _mm_set1_epi8(QT == kQ4_0 ? 8 : 16);
+      lo = _mm_sub_epi8(lo, by);
+      hi = _mm_sub_epi8(hi, by);
     }
   }
 }
@@ -338,14 +339,6 @@ inline __m256i group_bytes(const uint8_t* b, int g) {
   const auto load32 = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
   if constexpr (QT == kQ8_0) {
     return load32(b + 2);
-  } else if constexpr (QT == kQ4_0 || QT == kQ5_0) {    // group_halves without the offset
-    const __m128i packed = load16(b + (QT == kQ5_0 ? 6 : 2)), nibble = _mm_set1_epi8(15);
-    __m128i lo = _mm_and_si128(packed, nibble), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
-    if constexpr (QT == kQ5_0) {
-      lo = _mm_or_si128(lo, fifth_bits(b + 2, 0));
-      hi = _mm_or_si128(hi, fifth_bits(b + 2, 16));
-    }
-    return _mm256_set_m128i(hi, lo);
   } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
     __m256i v = load32(b + (QT == kQ4_K ? 16 : 48) + 32 * (g / 2));
     if (g % 2) v = _mm256_srli_epi16(v, 4);
@@ -363,7 +356,7 @@ inline __m256i group_bytes(const uint8_t* b, int g) {
     return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
   } else {
     __m128i lo, hi;
-    group_halves<QT>(b, g, lo, hi);
+    group_halves<QT, false>(b, g, lo, hi);      // Q4_0, Q5_0: as stored, their offset a min
     return _mm256_set_m128i(hi, lo);
   }
 }
@@ -577,10 +570,13 @@ torch::Tensor blocks_times(torch::Tensor x, torch::Tensor blocks, int64_t qtype,
     std::vector<int8_t> xq(M * K);
     std::vector<float> dx(M * (K / V));
     std::vector<int16_t> bsum(M * (K / kGroup));
-    std::vector<float> sxq(M * (K / kGroup));
     quantize_rows(xp, M, K, V, xq.data(), dx.data(), bsum.data());
-    // the mins' term over the quantized x (dx * its sums), as llama.cpp's Q8_1: its errors cancel the quants'
-    for (int64_t i = 0; i < M * (K / kGroup); ++i) sxq[i] = dx[i * kGroup / V] * static_cast<float>(bsum[i]);
+    // the 32-value types' mins' term over the quantized x (dx * its sums), as llama.cpp's Q8_1: its
+    // errors cancel the quants' (the K-quants take bsum itself; the signed types have no min)
+    const bool block_min = !int_signed(qtype) && qtype != kQ4_K && qtype != kQ5_K;
+    std::vector<float> sxq(block_min ? M * (K / kGroup) : 1);
+    for (int64_t i = 0; block_min && i < M * (K / kGroup); ++i)
+      sxq[i] = dx[i * kGroup / V] * static_cast<float>(bsum[i]);
     with_type(qtype, [&](auto qt) {
       at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
         few_rows_times_blocks_int8<decltype(qt)::value>(xq.data(), dx.data(), bsum.data(), sxq.data(), M, K, bp,
